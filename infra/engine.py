@@ -1,0 +1,705 @@
+"""The embedded engine: a transformers causal LM behind a continuous-batching scheduler.
+
+What it does (DESIGN.md §5, issue 3):
+
+- **Radix prefix KV cache** shared by all requests (`infra.radix_cache`), LRU under a token
+  budget; ``cached_tokens`` reports the prompt tokens whose KV came from it.
+- **Continuous batching**: one scheduler thread. Running requests decode together, one token
+  per step, in a left-padded batch KV buffer (`_BatchKV`); new requests are prefilled (chunked)
+  between decode steps and then join the batch.
+- **Logprobs**: for each output token, ``log_softmax(raw logits)[token]`` — the model's own
+  distribution at temperature 1 before temperature / top-k / top-p, as SGLang reports by
+  default. Sampling params change which token is chosen, never the reported number. Matches a
+  full forward recompute of the sequence (fp32) to ~1e-6.
+- **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
+  the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
+  depend on what else is in the batch.
+- **Control**: abort by rid prefix, pause (abort | retract | in_place) / continue, hot weight
+  reload at a step boundary, cache flush, KV export/import of a token prefix
+  (`infra.kv_transfer`).
+
+All model and cache work happens on the scheduler thread; public methods are thread-safe and
+either enqueue a request or run a command on that thread between two steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from infra.radix_cache import RadixCache
+from infra.sampling import SamplingParams, sample_next
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 2048  # tokens per prefill forward; decode steps run between chunks
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve (bad token ids, too long, bad params). HTTP 400."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its live state (owned by the scheduler thread)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = True
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: dict | None = None
+    weight_version: int | None = None  # version that generated the first output token
+    created: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    # scheduler-private
+    aborted: str | None = None  # abort message, set by any thread
+    generator: torch.Generator | None = None
+    prefill_kv: Any = None  # DynamicCache during chunked prefill
+    prefill_pos: int = 0  # tokens of `kv_ids` already in `prefill_kv`
+    kv_epoch: int = -1  # weight epoch of the oldest KV this request holds
+    done: threading.Event = field(default_factory=threading.Event)
+    listeners: list = field(default_factory=list)  # callables(req), called after each update
+
+    @property
+    def kv_ids(self) -> list[int]:
+        """Tokens whose KV the request needs before its next decode step."""
+        if not self.output_ids:
+            return self.input_ids
+        return self.input_ids + self.output_ids[:-1]
+
+    def notify(self) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(self)
+            except Exception:  # a listener must never kill the scheduler
+                log.exception("request listener failed for %s", self.rid)
+
+
+class _BatchLayer:
+    """One layer's view of the batch KV buffer, speaking transformers' cache-layer protocol.
+
+    Writes the step's new keys/values at column ``end`` (same for every row: rows are
+    left-padded so they all end there) and returns views up to the new end.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_initialized = True
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        self.buf_k, self.buf_v, self.end = k, v, end  # (B, H, cap, D)
+
+    @property
+    def keys(self):
+        return self.buf_k[:, :, : self.end]
+
+    @property
+    def values(self):
+        return self.buf_v[:, :, : self.end]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = key_states.shape[-2]
+        self.buf_k[:, :, self.end : self.end + q] = key_states
+        self.buf_v[:, :, self.end : self.end + q] = value_states
+        self.end += q
+        return self.buf_k[:, :, : self.end], self.buf_v[:, :, : self.end]
+
+    def get_seq_length(self) -> int:
+        return self.end
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.end + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _BatchKV:
+    """Left-padded KV of the running batch: buffer ``(L, 2, B, H, cap, D)``.
+
+    Row b holds its ``lens[b]`` tokens at columns ``[end - lens[b], end)``. Rebuilt when the
+    membership changes; grows (doubling) when ``end`` reaches ``cap``.
+    """
+
+    def __init__(self, rows: list[torch.Tensor], like: torch.Tensor):
+        # rows: per request KV (L, 2, H, n_b, D)
+        self.lens = [r.shape[3] for r in rows]
+        self.end = max(self.lens) if rows else 0
+        L, _, H, _, D = like.shape
+        cap = max(64, int(self.end * 1.25) + 32)
+        self.buf = like.new_zeros((L, 2, len(rows), H, cap, D))
+        for b, r in enumerate(rows):
+            self.buf[:, :, b, :, self.end - r.shape[3] : self.end] = r
+
+    def row(self, b: int) -> torch.Tensor:
+        """KV of row b as (L, 2, H, n, D), a copy."""
+        return self.buf[:, :, b, :, self.end - self.lens[b] : self.end].clone()
+
+    def ensure_room(self, q: int = 1) -> None:
+        if self.end + q <= self.buf.shape[4]:
+            return
+        L, two, B, H, cap, D = self.buf.shape
+        new = self.buf.new_zeros((L, two, B, H, max(2 * cap, self.end + q), D))
+        new[:, :, :, :, : self.end] = self.buf[:, :, :, :, : self.end]
+        self.buf = new
+
+    def cache(self, make_cache):
+        layers = [
+            _BatchLayer(self.buf[i, 0], self.buf[i, 1], self.end) for i in range(len(self.buf))
+        ]
+        return make_cache(layers)
+
+    def attention_mask(self, dtype) -> torch.Tensor:
+        """Additive 4D mask (B, 1, 1, end+1) for a one-token step: 0 = attend, min = pad."""
+        B = len(self.lens)
+        cols = torch.arange(self.end + 1)
+        starts = torch.tensor([self.end - n for n in self.lens]).unsqueeze(1)
+        mask = torch.zeros((B, self.end + 1), dtype=dtype)
+        mask.masked_fill_(cols.unsqueeze(0) < starts, torch.finfo(dtype).min)
+        return mask[:, None, None, :]
+
+
+def _make_cache_factory():
+    from transformers.cache_utils import Cache
+
+    def make(layers):
+        return Cache(layers=layers)
+
+    return make
+
+
+class Engine:
+    """Embedded CPU engine over any local HF causal-LM checkpoint directory."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        weight_version: int = 0,
+        max_batch_size: int = 16,
+        kv_cache_tokens: int = 262144,
+        device: str = "cpu",
+        dtype=torch.float32,
+        cell_id: str = "local",
+    ):
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.cell_id = cell_id
+        self.max_batch_size = max_batch_size
+        self.model, self.tokenizer = self._load(self.model_dir)
+        cfg = self.model.config.get_text_config(decoder=True)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 32768))
+        self.eos_token_ids = self._eos_ids()
+        self._cache_kw = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else "past_key_values"
+        )
+        self._make_cache = _make_cache_factory()
+        self.radix = RadixCache(kv_cache_tokens)
+        self._weight_version = int(weight_version)
+        self._epoch = 0  # bumps on every weight change: KV of older epochs is stale
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._commands: queue.Queue = queue.Queue()
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._batch: _BatchKV | None = None
+        self._paused: str | None = None
+        self._closed = False
+        self._rid_counter = itertools.count()
+        self.stats = {
+            "engine/decode_steps": 0,
+            "engine/prefill_tokens": 0,
+            "engine/cached_tokens": 0,
+        }
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{cell_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, path: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model.to(self.device).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception:  # a bare weights dir (e.g. a trainer checkpoint) is still servable
+            tokenizer = None
+        return model, tokenizer
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        eos = getattr(self.model.config, "eos_token_id", None)
+        for e in eos if isinstance(eos, list) else [eos]:
+            if e is not None and int(e) not in ids:
+                ids.append(int(e))
+        return ids
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def submit(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        listener=None,
+    ) -> Request:
+        """Queue a request; returns its live `Request` (wait on ``req.done``)."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        params = (
+            sampling_params
+            if isinstance(sampling_params, SamplingParams)
+            else SamplingParams.from_dict(sampling_params or {})
+        )
+        ids = self._validate_ids(input_ids)
+        if len(ids) >= self.max_context:
+            raise EngineInputError(
+                f"input has {len(ids)} tokens; the model's context is {self.max_context} "
+                "(input must leave room for at least one output token)"
+            )
+        req = Request(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params)
+        req.return_logprob = bool(return_logprob)
+        seed = params.sampling_seed
+        req.generator = torch.Generator().manual_seed(
+            int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little")
+        )
+        if listener is not None:
+            req.listeners.append(listener)
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+        return req
+
+    def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True) -> dict:
+        """Blocking generate; returns the SGLang-shaped response dict."""
+        req = self.submit(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+        req.done.wait()
+        return self.response(req)
+
+    def response(self, req: Request, *, upto: int | None = None) -> dict:
+        """SGLang `/generate` response for `req` (its first `upto` output tokens if given)."""
+        n = len(req.output_ids) if upto is None else upto
+        out = req.output_ids[:n]
+        meta = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason if upto is None else None,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": req.cached_tokens,
+            "weight_version": str(
+                req.weight_version if req.weight_version is not None else self._weight_version
+            ),
+            "output_token_weight_versions": req.token_versions[:n],
+            "cell_id": self.cell_id,
+            "e2e_latency": (req.finished_at or time.time()) - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], out, strict=False)
+            ]
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": out, "meta_info": meta}
+
+    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
+        """Abort requests whose rid starts with `rid` (SGLang semantics); returns how many."""
+        with self._lock:
+            reqs = self._inbox + self._waiting + self._running
+        n = 0
+        for r in reqs:
+            if r.finish_reason is None and (abort_all or (rid and r.rid.startswith(rid))):
+                r.aborted = "aborted by request"
+                n += 1
+        self._kick()
+        return n
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating at the next step boundary.
+
+        abort: in-flight requests finish now with ``finish_reason.type == "abort"`` and their
+        partial output. retract: running requests go back to the queue (their KV into the radix
+        cache) and resume by re-prefill on continue. in_place: everything stays as it is.
+        New requests queue while paused.
+        """
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineInputError(f"pause mode {mode!r}: use abort, retract or in_place")
+        self._run_command(lambda: self._do_pause(mode))
+
+    def continue_generation(self) -> None:
+        self._run_command(self._do_continue)
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: int | str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict:
+        """Load a checkpoint and swap it in between two decode steps.
+
+        In-flight requests continue under the new weights (their earlier KV stays as computed).
+        Returns ``{"success": bool, "message": str}``.
+        """
+        try:
+            model, _ = self._load(model_path)
+        except Exception as e:  # report, never crash the server
+            return {"success": False, "message": f"failed to load {model_path}: {e}"}
+        new_cfg = model.config.get_text_config(decoder=True)
+        shape = (new_cfg.num_hidden_layers, new_cfg.vocab_size)
+        if shape != (self.num_layers, self.vocab_size):
+            return {
+                "success": False,
+                "message": f"{model_path}: layers/vocab {shape} differ from the served model "
+                f"{(self.num_layers, self.vocab_size)}",
+            }
+        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+
+        def swap():
+            if abort_all_requests:
+                self._abort_all("aborted by weight update")
+            self.model = model
+            self.model_dir = str(model_path)
+            self._weight_version = version
+            self._epoch += 1
+            if flush_cache:
+                self.radix.flush()
+
+        self._run_command(swap)
+        return {"success": True, "message": f"loaded {model_path} as weight version {version}"}
+
+    def flush_cache(self) -> bool:
+        self._run_command(self.radix.flush)
+        return True
+
+    def export_kv(self, input_ids: list[int]) -> bytes:
+        """KV of the longest cached prefix of `input_ids`, serialized (see `infra.kv_transfer`)."""
+        from infra import kv_transfer
+
+        ids = self._validate_ids(input_ids)
+        n, kv = self._run_command(lambda: self.radix.match(ids))
+        return kv_transfer.dumps(ids[:n], kv, self._kv_meta())
+
+    def import_kv(self, blob: bytes) -> int:
+        """Insert an exported prefix into the radix cache; returns the tokens imported."""
+        from infra import kv_transfer
+
+        ids, kv, meta = kv_transfer.loads(blob)
+        kv_transfer.check_compatible(meta, self._kv_meta())
+        if not ids:
+            return 0
+        self._validate_ids(ids)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        self._run_command(lambda: self.radix.insert(ids, kv))
+        return len(ids)
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "max_context_length": self.max_context,
+            "vocab_size": self.vocab_size,
+            "eos_token_ids": self.eos_token_ids,
+            "weight_version": str(self._weight_version),
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_batch_size": self.max_batch_size,
+            "kv_cache_tokens": self.radix.max_tokens,
+            "cell_id": self.cell_id,
+            "engine": "gyre-embedded",
+        }
+
+    def load(self) -> dict:
+        """Queue depths and cache use, for routing and tests."""
+        with self._lock:
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting) + len(self._inbox),
+                "radix_tokens": self.radix.total_tokens,
+                "paused": self._paused,
+                **self.stats,
+            }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kick()
+        self._thread.join(timeout=10)
+        for r in self._inbox + self._waiting + self._running:
+            if r.finish_reason is None:
+                self._finish(r, {"type": "abort", "message": "engine closed"})
+
+    # ------------------------------------------------------------------ internals
+    def _validate_ids(self, input_ids) -> list[int]:
+        if not isinstance(input_ids, list | tuple) or not input_ids:
+            raise EngineInputError("input_ids must be a non-empty list of token ids")
+        ids = []
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise EngineInputError(
+                    f"invalid token id {t!r}: ids must be ints in [0, {self.vocab_size})"
+                )
+            ids.append(int(t))
+        return ids
+
+    def _kv_meta(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "weight_version": self._weight_version,
+            "model_path": self.model_dir,
+        }
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _run_command(self, fn):
+        """Run `fn` on the scheduler thread at the next step boundary; return its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        self._kick()
+        return fut.result()
+
+    def _forward(self, input_ids, position_ids, cache, attention_mask=None):
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=1,
+                **kwargs,
+            )
+        return out.logits[:, -1, :].float()  # (B, V)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while (
+                    not self._closed
+                    and self._commands.empty()
+                    and not self._inbox
+                    and (self._paused or (not self._waiting and not self._running))
+                ):
+                    self._wake.wait(timeout=0.5)
+                if self._closed:
+                    return
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                self._step()
+            except Exception as e:  # fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                self._abort_all(f"engine error: {e}")
+
+    def _step(self) -> None:
+        while not self._commands.empty():
+            fn, fut = self._commands.get()
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        self._reap_aborted()
+        if self._paused:
+            return
+        self._prefill_some()
+        if self._running:
+            self._decode_step()
+
+    # -- abort / pause
+    def _reap_aborted(self) -> None:
+        for r in [r for r in self._waiting if r.aborted]:
+            self._waiting.remove(r)
+            self._finish(r, {"type": "abort", "message": r.aborted})
+        gone = [i for i, r in enumerate(self._running) if r.aborted]
+        if gone:
+            for i in gone:
+                r = self._running[i]
+                self._finish(r, {"type": "abort", "message": r.aborted})
+            self._remove_rows(gone)
+
+    def _abort_all(self, message: str) -> None:
+        for r in self._inbox + self._waiting + self._running:
+            r.aborted = r.aborted or message
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+        self._reap_aborted()
+
+    def _do_pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort_all("aborted by pause_generation")
+        elif mode == "retract":
+            rows = list(range(len(self._running)))
+            retracted = [self._running[i] for i in rows]
+            self._remove_rows(rows, cache=True)
+            for r in retracted:
+                r.prefill_kv, r.prefill_pos = None, 0
+            self._waiting[:0] = retracted
+        self._paused = mode
+
+    def _do_continue(self) -> None:
+        self._paused = None
+
+    # -- prefill
+    def _prefill_some(self) -> None:
+        """Prefill waiting requests, up to one chunk of tokens, while the batch has room."""
+        budget = PREFILL_CHUNK
+        while self._waiting and budget > 0 and len(self._running) < self.max_batch_size:
+            req = self._waiting[0]
+            budget -= self._prefill_chunk(req, budget)
+            if req.prefill_kv is None and req.prefill_pos == 0:
+                continue  # finished or admitted: loop picks the next one
+            if req.prefill_pos < len(req.kv_ids):
+                break  # partially prefilled; decode a step, then go on
+
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Advance `req`'s prefill by up to `budget` tokens; admit it when complete."""
+        from transformers.cache_utils import DynamicCache
+
+        ids = req.kv_ids
+        if req.prefill_kv is None:
+            # Reuse the longest cached prefix, but always compute the last input token:
+            # its logits give the first output token.
+            limit = len(ids) - 1 if not req.output_ids else len(ids)
+            n, kv = self.radix.match(ids[:limit]) if limit > 0 else (0, None)
+            if not req.output_ids:
+                req.cached_tokens = n
+                self.stats["engine/cached_tokens"] += n
+            req.kv_epoch = self._epoch
+            cache = DynamicCache()
+            if n:
+                for i in range(self.num_layers):
+                    cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
+            req.prefill_kv, req.prefill_pos = cache, n
+        todo = min(budget, len(ids) - req.prefill_pos)
+        logits = None
+        if todo > 0:
+            start = req.prefill_pos
+            chunk = torch.tensor([ids[start : start + todo]], device=self.device)
+            pos = torch.arange(start, start + todo, device=self.device).unsqueeze(0)
+            logits = self._forward(chunk, pos, req.prefill_kv)
+            req.prefill_pos += todo
+            self.stats["engine/prefill_tokens"] += todo
+        if req.prefill_pos < len(ids):
+            return todo
+        # Prefill complete: (L, 2, H, n, D) from the DynamicCache.
+        kv = torch.stack(
+            [torch.stack([lay.keys[0], lay.values[0]]) for lay in req.prefill_kv.layers]
+        )
+        req.prefill_kv, req.prefill_pos = None, 0
+        self._waiting.remove(req)
+        if self._epoch == req.kv_epoch:
+            self.radix.insert(ids, kv)
+        if not req.output_ids and self._emit(req, logits[0]):
+            return todo
+        self._add_row(req, kv)
+        return todo
+
+    # -- decode
+    def _add_row(self, req: Request, kv: torch.Tensor) -> None:
+        rows = [self._batch.row(b) for b in range(len(self._running))] if self._batch else []
+        rows.append(kv)
+        self._running.append(req)
+        self._batch = _BatchKV(rows, like=kv)
+
+    def _remove_rows(self, idx: list[int], cache: bool = False) -> None:
+        """Drop rows `idx` from the batch; with `cache`, insert their KV into the radix cache."""
+        if not idx:
+            return
+        drop = set(idx)
+        keep_rows, keep_reqs = [], []
+        for b, r in enumerate(self._running):
+            if b in drop:
+                if cache and r.kv_epoch == self._epoch:
+                    self.radix.insert(r.kv_ids, self._batch.row(b))
+            else:
+                keep_reqs.append(r)
+                keep_rows.append(self._batch.row(b))
+        self._running = keep_reqs
+        self._batch = _BatchKV(keep_rows, like=keep_rows[0]) if keep_rows else None
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        batch.ensure_room(1)
+        tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        pos = torch.tensor([[n] for n in batch.lens], device=self.device)
+        mask = batch.attention_mask(self.dtype).to(self.device)
+        logits = self._forward(tokens, pos, batch.cache(self._make_cache), mask)
+        batch.end += 1
+        batch.lens = [n + 1 for n in batch.lens]
+        self.stats["engine/decode_steps"] += 1
+        finished = [b for b, r in enumerate(self._running) if self._emit(r, logits[b])]
+        if finished:
+            self._remove_rows(finished, cache=True)
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> bool:
+        """Sample and append one token for `req`; returns True if the request finished."""
+        token, logprob = sample_next(logits, req.params, req.generator)
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.token_versions.append(self._weight_version)
+        if req.weight_version is None:
+            req.weight_version = self._weight_version
+            req.first_token_at = time.time()
+        p = req.params
+        reason = None
+        if len(req.output_ids) >= p.min_new_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = {"type": "stop", "matched": token}
+        elif (
+            len(req.output_ids) >= p.max_new_tokens
+            or len(req.input_ids) + len(req.output_ids) >= self.max_context
+        ):
+            reason = {"type": "length", "length": len(req.output_ids)}
+        if reason is not None:
+            self._finish(req, reason)
+            return True
+        req.notify()
+        return False
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.time()
+        req.done.set()
+        req.notify()

@@ -1,0 +1,245 @@
+"""SGLang's native HTTP API over the embedded `Engine` (Starlette + uvicorn, background thread).
+
+Field names follow SGLang 0.5.x (DESIGN.md §5) so that `EngineClient`, the gateway and the
+SGLang adapter treat this server and a real SGLang server alike. Streaming (`"stream": true`)
+sends Server-Sent Events ``data: {...}`` where each chunk is the full response so far
+(cumulative ``text``, ``output_ids`` and ``output_token_logprobs``, as SGLang does without
+``--stream-output``); the last chunk carries ``finish_reason``, then ``data: [DONE]``.
+
+gyre extensions live under ``/gyre/``: ``POST /gyre/kv/export {input_ids}`` answers the KV blob
+(``application/octet-stream``), ``POST /gyre/kv/import`` takes one and answers
+``{"imported_tokens": n}``.
+
+Bad input (invalid token ids, too long a context, malformed JSON, bad params) answers 400 with
+``{"error": {"message": ..., "type": "BadRequest"}}``; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from infra.engine import Engine, EngineInputError
+from infra.kv_transfer import KVFormatError
+
+log = logging.getLogger(__name__)
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    kind = "BadRequest" if status == 400 else "InternalError"
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+async def _json_body(request: HTTPRequest) -> dict:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise EngineInputError(f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise EngineInputError("the JSON body must be an object")
+    return body
+
+
+def build_app(engine: Engine) -> Starlette:
+    """The Starlette app serving `engine`."""
+
+    async def run_blocking(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+    async def generate(request: HTTPRequest):
+        body = await _json_body(request)
+        input_ids = body.get("input_ids")
+        if input_ids is None and isinstance(body.get("text"), str):
+            if engine.tokenizer is None:
+                raise EngineInputError("this engine has no tokenizer: send input_ids")
+            input_ids = engine.tokenizer.encode(body["text"], add_special_tokens=False)
+        if input_ids is not None and input_ids and isinstance(input_ids[0], list):
+            raise EngineInputError("batched input_ids are not supported: send one request each")
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def listener(req):
+            loop.call_soon_threadsafe(updates.put_nowait, req.finish_reason is not None)
+
+        req = engine.submit(
+            input_ids,
+            body.get("sampling_params") or {},
+            rid=body.get("rid"),
+            return_logprob=bool(body.get("return_logprob", False)),
+            listener=listener,
+        )
+        if not body.get("stream", False):
+            while not req.done.is_set():
+                await updates.get()
+            return JSONResponse(engine.response(req))
+
+        async def events():
+            sent = 0
+            try:
+                while True:
+                    finished = req.done.is_set()
+                    n = len(req.output_ids)
+                    if finished or n > sent:
+                        chunk = engine.response(req, upto=None if finished else n)
+                        sent = n
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    if finished:
+                        break
+                    await updates.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                if not req.done.is_set():  # client went away: stop generating for it
+                    req.aborted = "client disconnected"
+                    engine.abort(req.rid)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def health(request: HTTPRequest):
+        return Response(status_code=200)
+
+    async def model_info(request: HTTPRequest):
+        return JSONResponse(engine.model_info())
+
+    async def weight_version(request: HTTPRequest):
+        return JSONResponse({"weight_version": str(engine.weight_version)})
+
+    async def server_info(request: HTTPRequest):
+        return JSONResponse({**engine.model_info(), "version": "gyre-embedded", **engine.load()})
+
+    async def flush_cache(request: HTTPRequest):
+        ok = await run_blocking(engine.flush_cache)
+        return JSONResponse({"success": ok, "message": "cache flushed"})
+
+    async def abort_request(request: HTTPRequest):
+        body = await _json_body(request)
+        rid = body.get("rid") or ""
+        if not isinstance(rid, str):
+            raise EngineInputError("rid must be a string")
+        n = engine.abort(rid, abort_all=bool(body.get("abort_all", False)))
+        return JSONResponse({"success": True, "aborted": n})
+
+    async def pause(request: HTTPRequest):
+        body = await _json_body(request)
+        mode = body.get("mode", "abort")
+        await run_blocking(engine.pause_generation, mode)
+        return JSONResponse({"success": True, "message": f"paused ({mode})"})
+
+    async def resume(request: HTTPRequest):
+        await run_blocking(engine.continue_generation)
+        return JSONResponse({"success": True, "message": "generation continues"})
+
+    async def update_weights(request: HTTPRequest):
+        body = await _json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise EngineInputError("model_path (a checkpoint directory) is required")
+        result = await run_blocking(
+            engine.update_weights_from_disk,
+            path,
+            body.get("weight_version"),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+            flush_cache=bool(body.get("flush_cache", True)),
+        )
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    async def kv_export(request: HTTPRequest):
+        body = await _json_body(request)
+        blob = await run_blocking(engine.export_kv, body.get("input_ids"))
+        return Response(blob, media_type="application/octet-stream")
+
+    async def kv_import(request: HTTPRequest):
+        blob = await request.body()
+        n = await run_blocking(engine.import_kv, blob)
+        return JSONResponse({"imported_tokens": n})
+
+    async def bad_request(request: HTTPRequest, exc: Exception):
+        return _error(str(exc), 400)
+
+    async def internal(request: HTTPRequest, exc: Exception):
+        log.exception("engine server error on %s", request.url.path, exc_info=exc)
+        return _error(f"{type(exc).__name__}: {exc}", 500)
+
+    routes = [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/get_weight_version", weight_version, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/pause_generation", pause, methods=["POST"]),
+        Route("/continue_generation", resume, methods=["POST"]),
+        Route("/update_weights_from_disk", update_weights, methods=["POST"]),
+        Route("/gyre/kv/export", kv_export, methods=["POST"]),
+        Route("/gyre/kv/import", kv_import, methods=["POST"]),
+    ]
+    handlers = {EngineInputError: bad_request, KVFormatError: bad_request, Exception: internal}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+class EngineServer:
+    """Serve `engine` over HTTP from a background thread."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0):
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.url: str | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start serving; return the base URL once /health answers."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            build_app(self.engine), log_level="warning", access_log=False, lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="engine-http"
+        )
+        self._thread.start()
+        self.url = f"http://{self.host}:{self.port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"engine server on {self.url} did not become healthy in {timeout}s")
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._server = self._thread = None
+
+    def __enter__(self) -> EngineServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

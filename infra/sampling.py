@@ -1,0 +1,137 @@
+"""Sampling parameters (SGLang field names) and the per-request next-token choice.
+
+The reported logprob is ``log_softmax(logits)[token]`` of the *raw* logits (temperature 1, no
+top-k/top-p): the behaviour policy's own probability of the token, which is what RL needs for
+importance ratios and what SGLang reports by default. Temperature, top-k and top-p only change
+which token is drawn. Greedy (temperature 0) takes the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Fields SGLang accepts that do not change what this engine generates; accepted and ignored so
+# one client payload works against both backends.
+_IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stop",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    min_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """Validate an SGLang ``sampling_params`` dict; raise ValueError listing every problem."""
+        from infra.engine import EngineInputError
+
+        if not isinstance(d, dict):
+            raise EngineInputError("sampling_params must be a JSON object")
+        errors, kw = [], {}
+        for key, value in d.items():
+            if key in _IGNORED or value is None:
+                continue
+            if key not in cls.__dataclass_fields__:
+                errors.append(f"unknown sampling param {key!r}")
+                continue
+            try:
+                kw[key] = _coerce(key, value)
+            except (TypeError, ValueError) as e:
+                errors.append(f"{key}={value!r}: {e}")
+        if errors:
+            raise EngineInputError("; ".join(errors))
+        return cls(**kw)
+
+
+def _coerce(key: str, value):
+    def num(v, kind):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError("must be a number")
+        if kind is int and int(v) != v:
+            raise ValueError("must be an integer")
+        return kind(v)
+
+    if key == "max_new_tokens":
+        v = num(value, int)
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+    if key == "min_new_tokens":
+        v = num(value, int)
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+    if key == "temperature":
+        v = num(value, float)
+        if v < 0:
+            raise ValueError("must be >= 0 (0 = greedy)")
+        return v
+    if key == "top_p":
+        v = num(value, float)
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]")
+        return v
+    if key == "top_k":
+        v = num(value, int)
+        if v < -1:
+            raise ValueError("must be -1 (off) or >= 0")
+        return v
+    if key == "stop_token_ids":
+        if not isinstance(value, list | tuple):
+            raise TypeError("must be a list of token ids")
+        return frozenset(num(t, int) for t in value)
+    if key == "ignore_eos":
+        if not isinstance(value, bool):
+            raise TypeError("must be true or false")
+        return value
+    if key == "sampling_seed":
+        return num(value, int)
+    raise AssertionError(key)
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(logprobs[token])
+    scores = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest set whose mass reaches top_p (the first token always stays)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = (cum - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logprobs[token])

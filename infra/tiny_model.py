@@ -1,0 +1,253 @@
+"""A tiny Qwen3-architecture checkpoint made locally: random weights, a locally trained tokenizer.
+
+Nothing here touches a network. `make_tiny_model()` writes a complete Hugging Face checkpoint
+directory (config, safetensors weights, tokenizer with a Qwen-style chat template) that
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline. It is the
+"baby" model of every test, demo and benchmark: ~100K parameters, deterministic per seed.
+
+The chat template renders each message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, so the
+rendering is prefix-stable: rendering ``messages[:k]`` is a text prefix of rendering
+``messages[:k+1]`` (and ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``, a prefix of
+the next assistant turn). The gateway relies on this for token exactness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+TOOL_TOKENS = [TOOL_CALL_START, TOOL_CALL_END]
+
+VOCAB_SIZE = 1024  # BPE target; special and tool tokens are part of it
+_MARKER = ".gyre-complete"
+
+# Qwen-style, simplified. `tools` go into the system turn; assistant tool calls are rendered as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>; a tool result is its own turn.
+# HF renders with trim_blocks: a newline right after a block tag is written as {{ nl }}.
+CHAT_TEMPLATE = (
+    "{% macro render_content(content) %}"
+    "{% if content is none %}"
+    "{% elif content is string %}{{ content }}"
+    "{% else %}{% for part in content %}"
+    "{% if part is mapping and part.text is defined %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
+    "{% set ns = namespace(start=0) %}"
+    "{% set nl = '\\n' %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}"
+    "{{ render_content(messages[0].content) }}\n\n{% set ns.start = 1 %}"
+    "{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ nl }}{{ tool | tojson }}{% endfor %}{{ nl }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% set text = render_content(message.content) %}{{ text }}"
+    "{% if message.role == 'assistant' and message.tool_calls %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{% if not loop.first or text %}{{ nl }}{% endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}"
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# A small bundled corpus: chat/agent/code flavoured English, enough for ~1000 BPE merges.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
+You are a helpful assistant. Please answer the question below and explain your reasoning.
+The user asked for help with a Python function that parses a configuration file and returns
+a dictionary. The assistant read the file, found the bug, and wrote a test that reproduces it.
+def add(a, b):
+    return a + b
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def increment(self, step=1):
+        self.count += step
+        return self.count
+
+import json
+import os
+from pathlib import Path
+
+for i in range(10):
+    print(i, i * i)
+if value is None:
+    raise ValueError("value must not be None")
+{"name": "search", "arguments": {"query": "weather in Paris", "limit": 5}}
+{"name": "read_file", "arguments": {"path": "src/main.py"}}
+{"name": "run_tests", "arguments": {"pattern": "tests/unit"}}
+The tests passed. The tests failed with an assertion error on line 42.
+Error: file not found. Permission denied. Timeout after 30 seconds. Retrying the request.
+Let me think step by step. First, list the files in the repository. Then open the module that
+defines the function, read it carefully, and change only what is needed. Finally run the tests.
+The answer is 42. The result is correct. The sum of 17 and 25 is 42. Two plus two equals four.
+Reinforcement learning trains a policy to maximise reward. The agent observes the environment,
+takes an action, and receives a reward. Long horizon tasks need many steps and many tool calls.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 256 1000 4096 65536.
+Punctuation and symbols: ( ) [ ] { } < > = + - * / % , . ; : ! ? ' " # @ $ & | ^ ~ _ \\ `
+git status; git diff; git commit -m "fix parser"; pytest -q; ls -la; cat README.md; grep -rn TODO
+The weather today is sunny with a light breeze. Tomorrow it will rain in the afternoon.
+Once upon a time there was a small robot who wanted to learn how to write programs.
+It read many books, asked many questions, and slowly became very good at fixing bugs.
+The scheduler moves cells between rollout and training while the run goes on. Each cell holds an
+engine or a trainer replica. The gateway records every call token by token, and the processor
+builds a tree of calls by shared prefix. Scores are attached to the node where they were earned.
+Weights are published after every optimizer step, and rollout cells load them at boundaries.
+She opened the window, looked at the garden, and decided to plant tomatoes, carrots and beans.
+Mathematics: x = y * 2 + 3; f(x) = x ** 2 - 4 * x + 4; the derivative is 2 * x - 4; solve for x.
+Monday Tuesday Wednesday Thursday Friday Saturday Sunday January February March April May June
+red orange yellow green blue indigo violet black white gray brown pink purple silver gold
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+async def fetch(client, url):
+    response = await client.get(url, timeout=10.0)
+    response.raise_for_status()
+    return response.json()
+
+SELECT id, name, count(*) FROM requests WHERE status = 'done' GROUP BY id, name ORDER BY 3 DESC;
+<tool_response>{"temperature": 21, "unit": "celsius", "city": "Paris"}</tool_response>
+Thank you! You're welcome. Could you please clarify what you mean? Sure, here is an example.
+"""
+
+
+def _default_dir(seed: int) -> Path:
+    cache = Path(os.environ.get("GYRE_CACHE", Path.home() / ".cache" / "gyre"))
+    return cache / "models" / f"tiny-qwen3-s{seed}"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / _MARKER).is_file()
+
+
+def build_tokenizer():
+    """Train a deterministic byte-level BPE tokenizer on the bundled corpus.
+
+    Returns a `transformers.PreTrainedTokenizerFast` with the special tokens, the chat
+    template, eos = ``<|im_end|>`` and pad = ``<|endoftext|>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS),
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeating the corpus keeps pair counts distinct enough for a stable merge order.
+    lines = [line for line in _CORPUS.splitlines() if line.strip()]
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    # Qwen keeps the tool-call tags as added (non-special) tokens: they survive
+    # `skip_special_tokens=True` so the gateway can parse tool calls from decoded text.
+    fast.add_tokens(TOOL_TOKENS, special_tokens=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _build(out: Path, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # A larger init than 0.02 gives a peaked, non-uniform next-token distribution, which
+        # makes sampling/top-k/top-p behaviour (and tests of it) meaningful.
+        initializer_range=0.2,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / _MARKER).write_text(json.dumps({"seed": seed}))
+
+
+def make_tiny_model(out_dir: str | os.PathLike | None = None, *, seed: int = 0) -> str:
+    """Return a directory holding the tiny checkpoint for `seed`, building it if needed.
+
+    Default location: ``$GYRE_CACHE/models/tiny-qwen3-s{seed}`` (GYRE_CACHE defaults to
+    ``~/.cache/gyre``). A complete directory is returned as is. The build happens in a
+    temporary sibling directory that is renamed into place, so concurrent callers never see a
+    half-written checkpoint (the loser of a race discards its copy).
+    """
+    out = Path(out_dir) if out_dir is not None else _default_dir(seed)
+    if _is_complete(out):
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _build(tmp, seed)
+        try:
+            os.rename(tmp, out)  # atomic; also replaces an empty directory
+        except OSError:
+            if _is_complete(out):  # another process won the race
+                return str(out)
+            # `out` exists, is not empty and not complete (e.g. a user-made dir with other
+            # files): move the files in, the completion marker last.
+            for item in sorted(tmp.iterdir(), key=lambda p: p.name == _MARKER):
+                os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+if __name__ == "__main__":
+    print(make_tiny_model())

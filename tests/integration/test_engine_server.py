@@ -1,0 +1,152 @@
+"""The embedded engine over real HTTP (uvicorn on loopback) through `EngineClient`."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from infra.engine import Engine
+from infra.engine_client import EngineClient, EngineError
+from infra.engine_server import EngineServer
+from infra.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("srv")
+    return make_tiny_model(base / "s0", seed=0), make_tiny_model(base / "s1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    eng = Engine(model_dirs[0])
+    srv = EngineServer(eng)
+    url = srv.start()
+    yield url, eng
+    srv.stop()
+    eng.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+PROMPT = [(11 * i) % 900 + 7 for i in range(40)]
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def test_generate_response_shape(server):
+    url, _ = server
+
+    async def go():
+        async with EngineClient(url) as c:
+            assert await c.health()
+            info = await c.model_info()
+            assert info["max_context_length"] >= 16384 and info["vocab_size"] == 1024
+            assert info["eos_token_ids"]
+            res = await c.generate(PROMPT, GREEDY, rid="req-shape-0001")
+            return res
+
+    res = run(go())
+    meta = res["meta_info"]
+    assert len(res["output_ids"]) == 10 and isinstance(res["text"], str)
+    assert meta["id"] == "req-shape-0001"
+    assert meta["finish_reason"] == {"type": "length", "length": 10}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (40, 10)
+    assert meta["weight_version"] == "0"
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == res["output_ids"]
+    assert all(lp <= 0 and txt is None for lp, _, txt in lps)
+
+
+def test_stream_matches_non_stream(server):
+    url, _ = server
+
+    async def go():
+        async with EngineClient(url) as c:
+            full = await c.generate(PROMPT, GREEDY)
+            chunks = [ch async for ch in c.generate_stream(PROMPT, GREEDY)]
+            return full, chunks
+
+    full, chunks = run(go())
+    assert len(chunks) >= 2
+    assert chunks[-1]["output_ids"] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
+    lens = [len(ch["output_ids"]) for ch in chunks]
+    assert lens == sorted(lens)  # cumulative
+
+
+def test_raw_sse_framing(server):
+    url, _ = server
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_concurrent_clients_share_prefix_cache(server):
+    url, eng = server
+    eng.flush_cache()
+
+    async def go():
+        async with EngineClient(url) as c:
+            first = await c.generate([*PROMPT, 1, 2], GREEDY)
+            rest = await asyncio.gather(*[c.generate([*PROMPT, 3 + i], GREEDY) for i in range(8)])
+            return first, rest
+
+    first, rest = run(go())
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert all(r["meta_info"]["cached_tokens"] >= len(PROMPT) for r in rest)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b'{"input_ids": [1, 99999], "sampling_params": {}}',
+        b'{"input_ids": [], "sampling_params": {}}',
+        b'{"input_ids": [1, 2], "sampling_params": {"top_p": 0}}',
+        b'{"input_ids": [1, 2], "sampling_params": "hot"}',
+        b"[1, 2, 3]",
+    ],
+)
+def test_bad_input_is_400_and_server_survives(server, body):
+    url, _ = server
+    resp = httpx.post(f"{url}/generate", content=body, timeout=30)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"]
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def test_context_over_limit_is_400(server):
+    url, eng = server
+    resp = httpx.post(f"{url}/generate", json={"input_ids": [5] * eng.max_context}, timeout=60)
+    assert resp.status_code == 400 and "context" in resp.json()["error"]["message"]
+
+
+def test_client_raises_engine_error_with_server_message(server):
+    url, _ = server
+
+    async def go():
+        async with EngineClient(url) as c:
+            with pytest.raises(EngineError) as info:
+                await c.generate([1, 99999], {})
+            return info.value
+
+    err = run(go())
+    assert err.status == 400 and "invalid token id 99999" in err.server_message
+
+
+def test_client_retries_then_fails_on_dead_server(caplog):
+    async def go():
+        async with EngineClient("http://127.0.0.1:9", timeout=2) as c:
+            assert not await c.health()
+            with pytest.raises(EngineError, match="after 4 attempts"):
+                await c.model_info()
+
+    run(go())
+    assert "attempt 3/4" in caplog.text

@@ -5,7 +5,7 @@ What it does (DESIGN.md §5, issue 3):
 - **Radix prefix KV cache** shared by all requests (`infra.radix_cache`), LRU under a token
   budget; ``cached_tokens`` reports the prompt tokens whose KV came from it.
 - **Continuous batching**: one scheduler thread. Running requests decode together, one token
-  per step, in a left-padded batch KV buffer (`_BatchKV`); new requests are prefilled (chunked)
+  per step, in a left-padded batch KV buffer (`BatchKV`); new requests are prefilled (chunked)
   between decode steps and then join the batch.
 - **Logprobs**: for each output token, ``log_softmax(raw logits)[token]`` — the model's own
   distribution at temperature 1 before temperature / top-k / top-p, as SGLang reports by
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from infra.batch_kv import BatchKV
 from infra.radix_cache import RadixCache
 from infra.sampling import SamplingParams, sample_next
 
@@ -91,99 +92,6 @@ class Request:
                 log.exception("request listener failed for %s", self.rid)
 
 
-class _BatchLayer:
-    """One layer's view of the batch KV buffer, speaking transformers' cache-layer protocol.
-
-    Writes the step's new keys/values at column ``end`` (same for every row: rows are
-    left-padded so they all end there) and returns views up to the new end.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_initialized = True
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, end: int):
-        self.buf_k, self.buf_v, self.end = k, v, end  # (B, H, cap, D)
-
-    @property
-    def keys(self):
-        return self.buf_k[:, :, : self.end]
-
-    @property
-    def values(self):
-        return self.buf_v[:, :, : self.end]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        q = key_states.shape[-2]
-        self.buf_k[:, :, self.end : self.end + q] = key_states
-        self.buf_v[:, :, self.end : self.end + q] = value_states
-        self.end += q
-        return self.buf_k[:, :, : self.end], self.buf_v[:, :, : self.end]
-
-    def get_seq_length(self) -> int:
-        return self.end
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.end + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _BatchKV:
-    """Left-padded KV of the running batch: buffer ``(L, 2, B, H, cap, D)``.
-
-    Row b holds its ``lens[b]`` tokens at columns ``[end - lens[b], end)``. Rebuilt when the
-    membership changes; grows (doubling) when ``end`` reaches ``cap``.
-    """
-
-    def __init__(self, rows: list[torch.Tensor], like: torch.Tensor):
-        # rows: per request KV (L, 2, H, n_b, D)
-        self.lens = [r.shape[3] for r in rows]
-        self.end = max(self.lens) if rows else 0
-        L, _, H, _, D = like.shape
-        cap = max(64, int(self.end * 1.25) + 32)
-        self.buf = like.new_zeros((L, 2, len(rows), H, cap, D))
-        for b, r in enumerate(rows):
-            self.buf[:, :, b, :, self.end - r.shape[3] : self.end] = r
-
-    def row(self, b: int) -> torch.Tensor:
-        """KV of row b as (L, 2, H, n, D), a copy."""
-        return self.buf[:, :, b, :, self.end - self.lens[b] : self.end].clone()
-
-    def ensure_room(self, q: int = 1) -> None:
-        if self.end + q <= self.buf.shape[4]:
-            return
-        L, two, B, H, cap, D = self.buf.shape
-        new = self.buf.new_zeros((L, two, B, H, max(2 * cap, self.end + q), D))
-        new[:, :, :, :, : self.end] = self.buf[:, :, :, :, : self.end]
-        self.buf = new
-
-    def cache(self, make_cache):
-        layers = [
-            _BatchLayer(self.buf[i, 0], self.buf[i, 1], self.end) for i in range(len(self.buf))
-        ]
-        return make_cache(layers)
-
-    def attention_mask(self, dtype) -> torch.Tensor:
-        """Additive 4D mask (B, 1, 1, end+1) for a one-token step: 0 = attend, min = pad."""
-        B = len(self.lens)
-        cols = torch.arange(self.end + 1)
-        starts = torch.tensor([self.end - n for n in self.lens]).unsqueeze(1)
-        mask = torch.zeros((B, self.end + 1), dtype=dtype)
-        mask.masked_fill_(cols.unsqueeze(0) < starts, torch.finfo(dtype).min)
-        return mask[:, None, None, :]
-
-
-def _make_cache_factory():
-    from transformers.cache_utils import Cache
-
-    def make(layers):
-        return Cache(layers=layers)
-
-    return make
-
-
 class Engine:
     """Embedded CPU engine over any local HF causal-LM checkpoint directory."""
 
@@ -216,7 +124,6 @@ class Engine:
             if "cache" in inspect.signature(self.model.forward).parameters
             else "past_key_values"
         )
-        self._make_cache = _make_cache_factory()
         self.radix = RadixCache(kv_cache_tokens)
         self._weight_version = int(weight_version)
         self._epoch = 0  # bumps on every weight change: KV of older epochs is stale
@@ -226,7 +133,7 @@ class Engine:
         self._commands: queue.Queue = queue.Queue()
         self._waiting: list[Request] = []
         self._running: list[Request] = []
-        self._batch: _BatchKV | None = None
+        self._batch: BatchKV | None = None
         self._paused: str | None = None
         self._closed = False
         self._rid_counter = itertools.count()
@@ -529,7 +436,7 @@ class Engine:
                 self._step()
             except Exception as e:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")
-                self._abort_all(f"engine error: {e}")
+                self._fail_all(f"engine error: {e!r}")
 
     def _step(self) -> None:
         while not self._commands.empty():
@@ -552,10 +459,20 @@ class Engine:
             self._finish(r, {"type": "abort", "message": r.aborted})
         gone = [i for i, r in enumerate(self._running) if r.aborted]
         if gone:
-            for i in gone:
-                r = self._running[i]
+            reqs = [self._running[i] for i in gone]
+            self._remove_rows(gone, cache=True)  # their KV is valid: keep it for a resubmit
+            for r in reqs:
                 self._finish(r, {"type": "abort", "message": r.aborted})
-            self._remove_rows(gone)
+
+    def _fail_all(self, message: str) -> None:
+        """After an internal error: finish every request with an abort, drop the batch."""
+        with self._lock:
+            reqs = self._inbox + self._waiting + self._running
+            self._inbox, self._waiting, self._running = [], [], []
+        self._batch = None
+        for r in reqs:
+            if r.finish_reason is None:
+                self._finish(r, {"type": "abort", "message": message})
 
     def _abort_all(self, message: str) -> None:
         for r in self._inbox + self._waiting + self._running:
@@ -630,8 +547,11 @@ class Engine:
         self._waiting.remove(req)
         if self._epoch == req.kv_epoch:
             self.radix.insert(ids, kv)
-        if not req.output_ids and self._emit(req, logits[0]):
-            return todo
+        if not req.output_ids:
+            reason = self._emit(req, logits[0])
+            if reason is not None:
+                self._finish(req, reason)
+                return todo
         self._add_row(req, kv)
         return todo
 
@@ -640,7 +560,7 @@ class Engine:
         rows = [self._batch.row(b) for b in range(len(self._running))] if self._batch else []
         rows.append(kv)
         self._running.append(req)
-        self._batch = _BatchKV(rows, like=kv)
+        self._batch = BatchKV(rows, like=kv)
 
     def _remove_rows(self, idx: list[int], cache: bool = False) -> None:
         """Drop rows `idx` from the batch; with `cache`, insert their KV into the radix cache."""
@@ -656,7 +576,7 @@ class Engine:
                 keep_reqs.append(r)
                 keep_rows.append(self._batch.row(b))
         self._running = keep_reqs
-        self._batch = _BatchKV(keep_rows, like=keep_rows[0]) if keep_rows else None
+        self._batch = BatchKV(keep_rows, like=keep_rows[0]) if keep_rows else None
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -664,16 +584,23 @@ class Engine:
         tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         pos = torch.tensor([[n] for n in batch.lens], device=self.device)
         mask = batch.attention_mask(self.dtype).to(self.device)
-        logits = self._forward(tokens, pos, batch.cache(self._make_cache), mask)
+        logits = self._forward(tokens, pos, batch.cache(), mask)
         batch.end += 1
         batch.lens = [n + 1 for n in batch.lens]
         self.stats["engine/decode_steps"] += 1
-        finished = [b for b, r in enumerate(self._running) if self._emit(r, logits[b])]
-        if finished:
-            self._remove_rows(finished, cache=True)
+        done = [(b, r, self._emit(r, logits[b])) for b, r in enumerate(self._running)]
+        done = [(b, r, reason) for b, r, reason in done if reason is not None]
+        if done:
+            self._remove_rows([b for b, _, _ in done], cache=True)
+            for _, r, reason in done:
+                self._finish(r, reason)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> bool:
-        """Sample and append one token for `req`; returns True if the request finished."""
+    def _emit(self, req: Request, logits: torch.Tensor) -> dict | None:
+        """Sample and append one token for `req`; returns the finish reason if it is done.
+
+        The caller finishes the request (after taking its KV out of the batch), so a waiter
+        woken by ``req.done`` already sees the engine without it.
+        """
         token, logprob = sample_next(logits, req.params, req.generator)
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
@@ -692,11 +619,9 @@ class Engine:
             or len(req.input_ids) + len(req.output_ids) >= self.max_context
         ):
             reason = {"type": "length", "length": len(req.output_ids)}
-        if reason is not None:
-            self._finish(req, reason)
-            return True
-        req.notify()
-        return False
+        if reason is None:
+            req.notify()
+        return reason
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason

@@ -35,6 +35,8 @@ from infra.kv_transfer import KVFormatError
 
 log = logging.getLogger(__name__)
 
+VERSION = "gyre-embedded-0.1"
+
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     kind = "BadRequest" if status == 400 else "InternalError"
@@ -117,8 +119,11 @@ def build_app(engine: Engine) -> Starlette:
     async def weight_version(request: HTTPRequest):
         return JSONResponse({"weight_version": str(engine.weight_version)})
 
+    async def version(request: HTTPRequest):
+        return JSONResponse({"version": VERSION})
+
     async def server_info(request: HTTPRequest):
-        return JSONResponse({**engine.model_info(), "version": "gyre-embedded", **engine.load()})
+        return JSONResponse({**engine.model_info(), "version": VERSION, **engine.load()})
 
     async def flush_cache(request: HTTPRequest):
         ok = await run_blocking(engine.flush_cache)
@@ -180,6 +185,7 @@ def build_app(engine: Engine) -> Starlette:
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/get_weight_version", weight_version, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/pause_generation", pause, methods=["POST"]),
@@ -243,3 +249,45 @@ class EngineServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m infra.engine_server --model-path DIR --port N``: SGLang's launch flags.
+
+    SGLang-only flags (``--tp-size``, HiCache, ...) are accepted and ignored, so the SGLang
+    adapter can launch the embedded engine as a process with the same command line.
+    """
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m infra.engine_server")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--kv-cache-tokens", type=int, default=262144)
+    parser.add_argument("--cell-id", default="local")
+    args, ignored = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if ignored:
+        log.info("ignoring SGLang-only flags: %s", " ".join(ignored))
+    engine = Engine(
+        args.model_path,
+        weight_version=args.weight_version,
+        max_batch_size=args.max_batch_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        cell_id=args.cell_id,
+    )
+    server = EngineServer(engine, host=args.host, port=args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("serving %s at %s", args.model_path, server.start())
+    stop.wait()
+    server.stop()
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Messages -> token ids with token exactness, and model text -> OpenAI message.
+
+The gateway never re-tokenises what the model generated. For each session it keeps every
+earlier call (delta-encoded like its TITO record) and, for a new chat call:
+
+* **extend**: if the new messages are an earlier call's messages + that call's reply (same
+  content / tool calls as the gateway returned) + more, the input ids are that call's input ids
+  + its output ids *as generated* + the chat template's rendering of what follows. The template
+  is prefix-stable, so the suffix is the text after the rendered prefix, cut right after the
+  reply's ``<|im_end|>`` when the output ended with it (else right before it, so a
+  length-truncated reply is closed by the template).
+* **branch**: otherwise (rollback, summarised context, sub-agent) the whole conversation is
+  templated; the record shares the longest common token prefix with the best earlier call.
+
+Parent selection for every call (chat, completions, generate): the earlier call of the session
+whose input + output shares the longest token prefix with the new input. Contexts are indexed
+by chained hashes of fixed-size chunks (``CHUNK`` tokens), so a lookup hashes the new input
+once (reusing the hint parent's hashes) and compares at most one chunk per candidate, whatever
+the number of calls (hundreds) and the context length (~1M tokens).
+
+Pure module apart from loading the tokenizer: no HTTP, no event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tasks.tito import common_prefix_len
+
+try:
+    import orjson
+
+    def _canon(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+except ImportError:  # pragma: no cover
+
+    def _canon(obj: Any) -> bytes:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+CHUNK = 256  # tokens per hashed chunk of the context index
+_H = 8  # digest bytes
+_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class ChatInputError(ValueError):
+    """The messages (or tools) cannot be rendered: a 400 for the harness."""
+
+
+# -- tokenizer + template --------------------------------------------------------------------
+
+
+class ChatTokenizer:
+    """A local HF tokenizer and its chat template, compiled once."""
+
+    def __init__(self, tokenizer_dir: str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.backend = getattr(self.hf, "backend_tokenizer", None) or self.hf._tokenizer
+        if not self.hf.chat_template:
+            raise ChatInputError(f"tokenizer in {tokenizer_dir} has no chat template")
+        try:  # the compiled jinja template transformers itself caches and uses
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._template = _compile_jinja_template(self.hf.chat_template)
+        except Exception:  # private API moved: go through the public one (slower)
+            self._template = None
+        self._template_kw = dict(self.hf.special_tokens_map)
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        self.im_end = self.hf.eos_token or "<|im_end|>"
+        self.im_end_id = self.hf.convert_tokens_to_ids(self.im_end)
+        self._special_ids = set(self.hf.all_special_ids)
+        self._token_str: dict[int, str] = {}
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        try:
+            if self._template is not None:
+                return self._template.render(
+                    messages=messages,
+                    tools=tools or None,
+                    add_generation_prompt=add_generation_prompt,
+                    **self._template_kw,
+                )
+            return self.hf.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as exc:  # jinja errors on odd message shapes
+            raise ChatInputError(f"cannot render messages with the chat template: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(t) for t in ids], skip_special_tokens=True)
+
+    def token_str(self, tid: int) -> str:
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self.backend.decode([int(tid)], skip_special_tokens=False)
+            self._token_str[tid] = s
+        return s
+
+
+# -- message normalisation -------------------------------------------------------------------
+
+
+def _norm_content(content: Any) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict):
+                out.append({k: v for k, v in part.items() if v is not None})
+            else:
+                raise ChatInputError("message content parts must be objects")
+        return out
+    raise ChatInputError("message content must be a string, a list of parts or null")
+
+
+def _norm_args(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _norm_tool_calls(tool_calls: Any) -> list[dict]:
+    if not tool_calls:
+        return []
+    if not isinstance(tool_calls, list):
+        raise ChatInputError("tool_calls must be a list")
+    out = []
+    for tc in tool_calls:
+        if not isinstance(tc, dict):
+            raise ChatInputError("each tool call must be an object")
+        fn = tc.get("function", tc)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatInputError("a tool call needs function.name")
+        out.append({"name": fn["name"], "arguments": _norm_args(fn.get("arguments", {}))})
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI chat messages; return dicts the template renders (None fields dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatInputError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatInputError(f"messages[{i}] must be an object with a string 'role'")
+        msg: dict[str, Any] = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = _norm_content(m.get("content"))
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ChatInputError(f"messages[{i}].tool_calls must be a list")
+            _norm_tool_calls(m["tool_calls"])  # validates
+        out.append(msg)
+    return out
+
+
+def message_key(msg: dict) -> bytes:
+    """Canonical bytes of what the template can see of one message (ids of tool calls aside)."""
+    d: dict[str, Any] = {"role": msg["role"], "content": msg.get("content") or ""}
+    if msg.get("tool_calls"):
+        d["tool_calls"] = _norm_tool_calls(msg["tool_calls"])
+    for k in ("name", "reasoning_content"):
+        if msg.get(k):
+            d[k] = msg[k]
+    return _canon(d)
+
+
+def reply_key(content: str | None, tool_calls: list[dict] | None) -> bytes:
+    """Key of an assistant reply as the gateway returned it (matches ``message_key``)."""
+    d: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if tool_calls:
+        d["tool_calls"] = _norm_tool_calls(tool_calls)
+    return _canon(d)
+
+
+def digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _chain(prev: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(prev + data, digest_size=16).digest()
+
+
+def message_chain(messages: list[dict], tools: list | None) -> list[bytes]:
+    """keys[k] names messages[:k] (and the tools): len(messages) + 1 keys."""
+    keys = [_chain(b"tools", _canon(tools or []))]
+    for m in messages:
+        keys.append(_chain(keys[-1], message_key(m)))
+    return keys
+
+
+# -- output parsing --------------------------------------------------------------------------
+
+
+def parse_output(text: str) -> tuple[str | None, list[dict]]:
+    """Model text -> (content, OpenAI tool_calls). Malformed tool-call blocks -> plain content.
+
+    Content is the text outside ``<tool_call>...</tool_call>`` blocks: the text before the
+    first block (trailing whitespace removed) then any non-blank text between/after blocks.
+    With tool calls and no text, content is None (as OpenAI returns it).
+    """
+    if "<tool_call>" not in text:
+        return text, []
+    blocks = list(_TOOL_BLOCK.finditer(text))
+    if not blocks or text.count("<tool_call>") != len(blocks):
+        return text, []
+    calls = []
+    for b in blocks:
+        try:
+            obj = json.loads(b.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
+    pieces = [text[: blocks[0].start()].rstrip()]
+    for a, b in zip(blocks, [*blocks[1:], None], strict=True):
+        rest = text[a.end() : b.start() if b is not None else len(text)].strip()
+        if rest:
+            pieces.append(rest)
+    content = "\n".join(p for p in pieces if p)
+    return (content or None), calls
+
+
+def apply_stop(text: str, stops: list[str]) -> int | None:
+    """Index in ``text`` where the earliest stop string starts, or None."""
+    best = None
+    for s in stops:
+        if s:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best):
+                best = i
+    return best
+
+
+# -- per-session call index ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CallState:
+    request_id: str
+    seq_no: int
+    parent: str | None
+    prefix_len: int
+    own: np.ndarray  # new_input_ids + output_ids (int32): the tokens this call adds
+    input_len: int
+    output_len: int
+    ended_im_end: bool
+    hashes: bytes  # chained digests of the context's full chunks
+    head: np.ndarray  # first CHUNK tokens of the context
+
+    @property
+    def context_len(self) -> int:
+        return self.input_len + self.output_len
+
+
+@dataclass
+class ChatInput:
+    """What a call sends: full input ids, and its delta encoding against the chosen parent."""
+
+    input_ids: np.ndarray
+    parent_request_id: str | None
+    prefix_len: int
+    mode: str  # extend | branch | tokens
+    msg_key: bytes | None = None
+    hashes: bytes = b""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def new_input_ids(self) -> np.ndarray:
+        return self.input_ids[self.prefix_len :]
+
+
+def chunk_hashes(ids: np.ndarray, start_chunk: int = 0, prev: bytes = b"") -> bytes:
+    """Chained digests of ids' full CHUNK-token chunks from ``start_chunk`` (prev = digests before)."""
+    out = [prev]
+    h = prev[-_H:] if prev else b"root"
+    n_full = len(ids) // CHUNK
+    for j in range(start_chunk, n_full):
+        h = hashlib.blake2b(h + ids[j * CHUNK : (j + 1) * CHUNK].tobytes(), digest_size=_H).digest()
+        out.append(h)
+    return b"".join(out)
+
+
+class SessionCalls:
+    """Every earlier call of one session, delta-encoded, with prefix and message indexes."""
+
+    def __init__(self, ctx_cache: int = 4):
+        self.calls: dict[str, CallState] = {}
+        self._by_chunk: dict[bytes, list[str]] = {}
+        self._by_reply: dict[tuple[bytes, bytes], str] = {}
+        self._ctx: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._ctx_cap = ctx_cache
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    # -- contexts --------------------------------------------------------------------------
+    def context(self, rid: str) -> np.ndarray:
+        """Full input + output of an earlier call (int32), rebuilt from deltas if not cached."""
+        got = self._ctx.get(rid)
+        if got is not None:
+            self._ctx.move_to_end(rid)
+            return got
+        parts: list[np.ndarray] = []
+        cur: str | None = rid
+        need = self.calls[rid].context_len
+        while cur is not None:
+            c = self.calls[cur]
+            cached = self._ctx.get(cur)
+            if cached is not None:
+                parts.append(cached[:need])
+                break
+            parts.append(c.own[: max(0, need - c.prefix_len)])
+            need = min(need, c.prefix_len)
+            cur = c.parent if need > 0 else None
+        ctx = np.concatenate(parts[::-1]) if len(parts) > 1 else parts[0]
+        self._remember(rid, ctx)
+        return ctx
+
+    def _remember(self, rid: str, ctx: np.ndarray) -> None:
+        self._ctx[rid] = ctx
+        self._ctx.move_to_end(rid)
+        while len(self._ctx) > self._ctx_cap:
+            self._ctx.popitem(last=False)
+
+    def _slice(self, rid: str, a: int, b: int) -> np.ndarray:
+        """context(rid)[a:b] without rebuilding the whole context."""
+        got = self._ctx.get(rid)
+        if got is not None:
+            return got[a:b]
+        c = self.calls[rid]
+        b = min(b, c.context_len)
+        if b <= a:
+            return np.zeros(0, dtype=np.int32)
+        if b <= CHUNK:
+            return c.head[a:b]
+        if a >= c.prefix_len:
+            return c.own[a - c.prefix_len : b - c.prefix_len]
+        left = self._slice(c.parent, a, min(b, c.prefix_len)) if c.parent else np.zeros(0, np.int32)
+        if b <= c.prefix_len:
+            return left
+        return np.concatenate([left, c.own[: b - c.prefix_len]])
+
+    # -- lookups ---------------------------------------------------------------------------
+    def find_by_reply(self, keys: list[bytes], messages: list[dict]) -> tuple[str, int] | None:
+        """(call, k): the latest k where messages[:k] + messages[k] (assistant) = an earlier
+        call's messages + reply."""
+        for k in range(len(messages) - 1, -1, -1):
+            if messages[k].get("role") != "assistant":
+                continue
+            rid = self._by_reply.get((keys[k], digest(message_key(messages[k]))))
+            if rid is not None:
+                return rid, k
+        return None
+
+    def find_parent(
+        self, ids: np.ndarray, *, hint: str | None = None
+    ) -> tuple[str | None, int, bytes]:
+        """(parent rid, shared prefix length, ids' chunk hashes): longest prefix over all calls."""
+        if hint is not None and hint in self.calls:
+            c = self.calls[hint]
+            m = min(len(c.hashes) // _H, c.context_len // CHUNK, len(ids) // CHUNK)
+            hashes = chunk_hashes(ids, m, c.hashes[: m * _H])
+        else:
+            hashes = chunk_hashes(ids)
+        if not self.calls:
+            return None, 0, hashes
+        n = len(hashes) // _H
+        lo, hi = 0, n  # largest j with hashes[j-1] known (monotone: a prefix of a prefix)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[(mid - 1) * _H : mid * _H] in self._by_chunk:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = lo
+        cands = self._by_chunk[hashes[(j - 1) * _H : j * _H]] if j else list(self.calls)
+        base = j * CHUNK
+        want = ids[base : base + CHUNK]
+        best, best_k, best_seq = None, -1, -1
+        for rid in cands:
+            k = base + common_prefix_len(want, self._slice(rid, base, base + CHUNK))
+            seq = self.calls[rid].seq_no
+            if k > best_k or (k == best_k and seq > best_seq):
+                best, best_k, best_seq = rid, k, seq
+        if best is None or best_k == 0:
+            return None, 0, hashes
+        return best, best_k, hashes
+
+    # -- recording -------------------------------------------------------------------------
+    def add(
+        self,
+        request_id: str,
+        seq_no: int,
+        inp: ChatInput,
+        output_ids: np.ndarray,
+        *,
+        reply: bytes | None = None,
+        im_end_id: int | None = None,
+        reply_digest: bytes | None = None,
+    ) -> CallState:
+        """Remember a finished call (after its TITO record is durable).
+
+        ``reply`` is ``reply_key(...)`` of what the gateway answered (or pass its
+        ``digest`` as ``reply_digest``, e.g. when restoring from a journal)."""
+        ids = inp.input_ids
+        out = np.asarray(output_ids, dtype=np.int32)
+        n_in = len(ids)
+        m = len(inp.hashes) // _H
+        if m * CHUNK != n_in - n_in % CHUNK or m == 0:
+            hashes_in = chunk_hashes(ids)
+            m = len(hashes_in) // _H
+        else:
+            hashes_in = inp.hashes
+        tail = np.concatenate([ids[m * CHUNK :], out])
+        extra = chunk_hashes(tail, 0, hashes_in[-_H:] if m else b"")
+        hashes = hashes_in + extra[_H if m else 0 :]
+        ctx_head = np.concatenate([ids[:CHUNK], out[: max(0, CHUNK - n_in)]])
+        c = CallState(
+            request_id=request_id,
+            seq_no=seq_no,
+            parent=inp.parent_request_id,
+            prefix_len=inp.prefix_len,
+            own=np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False),
+            input_len=n_in,
+            output_len=len(out),
+            ended_im_end=bool(len(out) and im_end_id is not None and int(out[-1]) == im_end_id),
+            hashes=hashes,
+            head=ctx_head,
+        )
+        self.calls[request_id] = c
+        for j in range(len(hashes) // _H):
+            self._by_chunk.setdefault(hashes[j * _H : (j + 1) * _H], []).append(request_id)
+        if reply is not None:
+            reply_digest = digest(reply)
+        if inp.msg_key is not None and reply_digest is not None:
+            self._by_reply[(inp.msg_key, reply_digest)] = request_id
+        self._remember(request_id, np.concatenate([ids, out]))
+        return c
+
+
+# -- building inputs -------------------------------------------------------------------------
+
+
+def build_chat_input(
+    tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], tools: list | None
+) -> ChatInput:
+    """Token ids for a chat call: extend an earlier call exactly, else template everything."""
+    keys = message_chain(messages, tools)
+    ids: np.ndarray | None = None
+    hint = None
+    mode = "branch"
+    found = calls.find_by_reply(keys, messages)
+    if found is not None:
+        rid, k = found
+        c = calls.calls[rid]
+        t_pre = tok.render(messages[: k + 1], tools, False)
+        t_new = tok.render(messages, tools, True)
+        cut = t_pre.rfind(tok.im_end)
+        if t_new.startswith(t_pre) and cut >= 0:
+            if c.ended_im_end:
+                cut += len(tok.im_end)
+            suffix = np.asarray(tok.encode(t_new[cut:]), dtype=np.int32)
+            ids = np.concatenate([calls.context(rid), suffix])
+            hint, mode = rid, "extend"
+    if ids is None:
+        ids = np.asarray(tok.encode(tok.render(messages, tools, True)), dtype=np.int32)
+    parent, k, hashes = calls.find_parent(ids, hint=hint)
+    return ChatInput(ids, parent, k, mode, msg_key=keys[-1], hashes=hashes)
+
+
+def build_token_input(calls: SessionCalls, ids: list[int] | np.ndarray) -> ChatInput:
+    """Delta encoding of a call whose input ids the harness sent (completions, generate)."""
+    arr = np.asarray(ids, dtype=np.int32)
+    parent, k, hashes = calls.find_parent(arr)
+    return ChatInput(arr, parent, k, "tokens", hashes=hashes)

@@ -292,15 +292,30 @@ class Engine:
             model, _ = self._load(model_path)
         except Exception as e:  # report, never crash the server
             return {"success": False, "message": f"failed to load {model_path}: {e}"}
-        new_cfg = model.config.get_text_config(decoder=True)
-        shape = (new_cfg.num_hidden_layers, new_cfg.vocab_size)
-        if shape != (self.num_layers, self.vocab_size):
+        cfg = model.config.get_text_config(decoder=True)
+        shape = (
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            cfg.vocab_size,
+        )
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size)
+        if shape != mine:
             return {
                 "success": False,
-                "message": f"{model_path}: layers/vocab {shape} differ from the served model "
-                f"{(self.num_layers, self.vocab_size)}",
+                "message": f"{model_path}: (layers, kv heads, head dim, vocab) = {shape} differ "
+                f"from the served model's {mine}; weights must fit the same architecture",
             }
-        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        if weight_version is None:
+            version = self._weight_version + 1
+        else:
+            try:
+                version = int(weight_version)
+            except (TypeError, ValueError):
+                return {
+                    "success": False,
+                    "message": f"weight_version {weight_version!r} must be an integer",
+                }
 
         def swap():
             if abort_all_requests:
@@ -612,12 +627,13 @@ class Engine:
         woken by ``req.done`` already sees the engine without it.
         """
         token, logprob = sample_next(logits, req.params, req.generator)
-        req.output_ids.append(token)
-        req.output_logprobs.append(logprob)
-        req.token_versions.append(self._weight_version)
         if req.weight_version is None:
             req.weight_version = self._weight_version
             req.first_token_at = time.time()
+        # output_ids last: a reader on another thread that sees n ids sees n of the rest too
+        req.output_logprobs.append(logprob)
+        req.token_versions.append(self._weight_version)
+        req.output_ids.append(token)
         p = req.params
         reason = None
         if len(req.output_ids) >= p.min_new_tokens and (

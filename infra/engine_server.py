@@ -74,8 +74,11 @@ def build_app(engine: Engine) -> Starlette:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
-        def listener(req):
-            loop.call_soon_threadsafe(updates.put_nowait, req.finish_reason is not None)
+        stream = bool(body.get("stream", False))
+
+        def listener(req):  # on the engine thread; a plain request only needs the end
+            if stream or req.finish_reason is not None:
+                loop.call_soon_threadsafe(updates.put_nowait, req.finish_reason is not None)
 
         req = engine.submit(
             input_ids,
@@ -84,7 +87,7 @@ def build_app(engine: Engine) -> Starlette:
             return_logprob=bool(body.get("return_logprob", False)),
             listener=listener,
         )
-        if not body.get("stream", False):
+        if not stream:
             while not req.done.is_set():
                 await updates.get()
             return JSONResponse(engine.response(req))

@@ -150,3 +150,44 @@ def test_client_retries_then_fails_on_dead_server(caplog):
 
     run(go())
     assert "attempt 3/4" in caplog.text
+
+
+def test_control_endpoints_over_http(model_dirs):
+    eng = Engine(model_dirs[0])
+    srv = EngineServer(eng)
+    url = srv.start()
+    long = {"max_new_tokens": 400, "temperature": 1.0, "sampling_seed": 1, "ignore_eos": True}
+
+    async def go():
+        async with EngineClient(url) as c:
+            task = asyncio.ensure_future(c.generate(PROMPT, long, rid="abc-0001"))
+            while not eng.load()["running"]:
+                await asyncio.sleep(0.01)
+            await c.abort("abc")
+            aborted = await task
+            await c.pause("in_place")
+            queued = asyncio.ensure_future(c.generate(PROMPT, GREEDY))
+            await asyncio.sleep(0.2)
+            assert not queued.done()
+            await c.continue_()
+            await queued
+            res = await c.update_weights_from_disk(model_dirs[1], 5)
+            version = await c.weight_version()
+            after = await c.generate(PROMPT, GREEDY)
+            with pytest.raises(EngineError) as bad:
+                await c.update_weights_from_disk("/nonexistent/ckpt", 6)
+            with pytest.raises(EngineError):
+                await c.pause("sideways")
+            await c.flush_cache()
+            return aborted, res, version, after, bad.value
+
+    try:
+        aborted, res, version, after, bad = run(go())
+    finally:
+        srv.stop()
+        eng.close()
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < 400
+    assert res["success"] is True and version == "5"
+    assert after["meta_info"]["weight_version"] == "5"
+    assert bad.status == 400 and "nonexistent" in bad.server_message

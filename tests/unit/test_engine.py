@@ -169,3 +169,29 @@ def test_context_limit_finishes_with_length(model_dir):
         assert len(res["output_ids"]) == 10
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_throughput_16_sessions_at_least_4x_serial(model_dir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.engine import bench_batching
+
+    figures, details = bench_batching(model_dir, quick=False)
+    assert details["seeded_outputs_identical"]
+    assert figures["batched_over_serial_16"] >= 4.0, details
+
+
+@pytest.mark.slow
+def test_kv_move_8k_costs_at_most_a_fifth_of_reprefill(model_dir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.engine import bench_kv_move
+
+    figures, details = bench_kv_move(model_dir, quick=True)
+    assert details["moved_output_identical"]
+    assert figures["kv_move_over_prefill_8k"] <= 0.2, details

@@ -1,0 +1,40 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.gyre-installed
+
+.PHONY: demo test lint format bench install clean
+
+$(BIN)/python:
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3 ...)"; exit 1; }
+	$(PY) -m venv $(VENV)
+
+# torch first (the CPU wheel), then the project, so the range in pyproject is satisfied.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gyre run --preset demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: $(STAMP) lint
+	$(BIN)/pytest -q -m "not slow and not gpu"
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache gyre-data

@@ -1,0 +1,69 @@
+"""Versioned checkpoints in the store: ``checkpoints/v{N}/`` (safetensors + config + tokenizer).
+
+A checkpoint is complete once its ``COMPLETE`` marker exists (written last), so
+an engine never loads a half-copied version. Version 0 is the initial model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+
+from storage.store import Store
+
+_MARK = "COMPLETE"
+_VDIR = re.compile(r"^v(\d+)$")
+
+
+def checkpoint_relpath(version: int) -> str:
+    return f"checkpoints/v{int(version)}"
+
+
+def publish_checkpoint(store: Store, local_dir: str, version: int) -> str:
+    """Copy a local checkpoint dir into the store as ``version``; returns its store URL."""
+    rel = checkpoint_relpath(version)
+    store.put_dir(local_dir, rel)
+    store.write_bytes(f"{rel}/{_MARK}", str(version).encode())
+    return store.full_url(rel)
+
+
+def versions(store: Store) -> list[int]:
+    out = []
+    for name in store.listdir("checkpoints"):
+        m = _VDIR.match(name)
+        if m and store.exists(f"checkpoints/{name}/{_MARK}"):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def latest_version(store: Store) -> int | None:
+    vs = versions(store)
+    return vs[-1] if vs else None
+
+
+def fetch_checkpoint(
+    store: Store, version: int, cache_dir: str | None = None, *, with_optimizer: bool = False
+) -> str:
+    """A local directory holding checkpoint ``version`` (no copy when the store is local)."""
+    rel = checkpoint_relpath(version)
+    if not store.exists(f"{rel}/{_MARK}"):
+        raise FileNotFoundError(f"checkpoint v{version} is not complete in {store.url}")
+    if store.protocol == "file":
+        return store.path(rel)
+    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "gyre-ckpt")
+    dest = os.path.join(cache_dir, store.root.replace("/", "_"), f"v{version}")
+    if os.path.exists(os.path.join(dest, _MARK)):
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".tmp-")
+    for name in store.listdir(rel):
+        if not with_optimizer and name.startswith("optimizer"):
+            continue
+        with open(os.path.join(tmp, name), "wb") as fh:
+            fh.write(store.read_bytes(f"{rel}/{name}"))
+    if os.path.exists(dest):
+        shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest

@@ -1,0 +1,158 @@
+"""Explicit Arrow schemas of every dataset in the store.
+
+Each dataset is a directory of append-only Parquet segments; the DuckDB views in
+storage/sql.py read them by these names. Column meanings are documented here and
+in README.md ("SQL views").
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+_ids = pa.list_(pa.int32())
+
+TITO_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("session_id", pa.string()),
+        ("request_id", pa.string()),
+        ("seq_no", pa.int32()),
+        ("parent_request_id", pa.string()),  # null for a session's first call
+        ("prefix_len", pa.int32()),  # tokens shared with parent's input + output
+        ("new_input_ids", _ids),  # input suffix after prefix_len (not trainable)
+        ("output_ids", _ids),  # policy tokens as generated
+        ("output_logprobs", pa.list_(pa.float32())),
+        ("weight_version", pa.int64()),
+        ("cell_id", pa.string()),
+        ("finish_reason", pa.string()),
+        ("cached_tokens", pa.int32()),
+        ("t_start", pa.float64()),
+        ("t_end", pa.float64()),
+        ("endpoint", pa.string()),  # chat | completions | generate
+    ]
+)
+
+# One row per tree node (a segment of a compressed token trie).
+NODES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("session_id", pa.string()),
+        ("node_id", pa.int32()),
+        ("parent_id", pa.int32()),  # -1 for the root's children
+        ("start", pa.int32()),  # token depth of the segment's first token
+        ("length", pa.int32()),
+        ("depth", pa.int32()),  # node depth in the tree (root children = 1)
+        ("provenance", pa.string()),  # policy | tool | env | harness
+        ("policy_version", pa.int64()),  # -1 when not policy tokens
+        ("request_ids", pa.list_(pa.string())),  # calls whose context passes through
+        ("n_children", pa.int32()),
+        ("score", pa.float64()),  # sum of sub-task scores earned here, null if none
+    ]
+)
+
+SCORES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("session_id", pa.string()),
+        ("subtask_id", pa.string()),
+        ("score", pa.float64()),  # in [0, 1]
+        ("weight", pa.float64()),
+        ("at_request_id", pa.string()),  # the call after which it was earned
+        ("source", pa.string()),  # harness | env | evaluator
+        ("status", pa.string()),  # finished | failed | timeout | unfinished
+        ("reason", pa.string()),
+    ]
+)
+
+ROLLOUTS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("session_id", pa.string()),
+        ("group_id", pa.string()),
+        ("step", pa.int32()),  # training step the rollout was collected for
+        ("task_id", pa.string()),
+        ("status", pa.string()),  # finished | failed | timeout
+        ("reward", pa.float64()),  # declared aggregation of sub-task scores
+        ("n_calls", pa.int32()),
+        ("n_tokens_unique", pa.int64()),
+        ("n_tokens_flat", pa.int64()),  # sum of every call's full context + output
+        ("reason", pa.string()),
+    ]
+)
+
+SAMPLES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("sample_id", pa.string()),
+        ("session_id", pa.string()),
+        ("group_id", pa.string()),
+        ("step", pa.int32()),  # rollout step it came from
+        ("token_ids", _ids),  # packed tree, tokens in topological order
+        ("parent_idx", _ids),  # per token: index of the previous token, -1 at a root
+        ("positions", _ids),  # per token: depth in its path
+        ("weight_pos", pa.list_(pa.float32())),  # loss weight, positive advantage part
+        ("weight_neg", pa.list_(pa.float32())),  # loss weight, negative advantage part
+        ("behaviour_logprobs", pa.list_(pa.float32())),
+        ("versions", pa.list_(pa.int64())),  # policy version per token, -1 non-policy
+        ("n_tokens", pa.int32()),
+        ("n_trainable", pa.int32()),
+        ("n_flat_tokens", pa.int64()),  # tokens the same paths cost trained flat
+        ("reward", pa.float64()),
+        (
+            "n_flat_trainable",
+            pa.int64(),
+        ),  # trainable tokens summed over branches: the loss normaliser
+    ]
+)
+
+STEPS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("weight_version", pa.int64()),  # version produced by this step
+        ("loss", pa.float64()),
+        ("tokens", pa.int64()),  # tokens in the forward pass
+        ("trainable_tokens", pa.int64()),
+        ("reward", pa.float64()),  # mean reward of the samples trained
+        ("n_samples", pa.int32()),
+        ("grad_norm", pa.float64()),
+        ("mean_staleness", pa.float64()),
+        ("cells", pa.list_(pa.string())),
+        ("t_start", pa.float64()),
+        ("t_end", pa.float64()),
+        ("checkpoint", pa.string()),
+    ]
+)
+
+LEDGER_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("step", pa.int32()),
+        ("sample_id", pa.string()),
+        ("weight_version", pa.int64()),
+        ("t", pa.float64()),
+    ]
+)
+
+CELLS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("cell_id", pa.string()),
+        ("event", pa.string()),  # join | role | leave | load_weights | ...
+        ("role", pa.string()),  # rollout | train | draining | loading
+        ("weight_version", pa.int64()),
+        ("t", pa.float64()),
+        ("detail", pa.string()),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "tito": TITO_SCHEMA,
+    "nodes": NODES_SCHEMA,
+    "scores": SCORES_SCHEMA,
+    "rollouts": ROLLOUTS_SCHEMA,
+    "samples": SAMPLES_SCHEMA,
+    "steps": STEPS_SCHEMA,
+    "ledger": LEDGER_SCHEMA,
+    "cells": CELLS_SCHEMA,
+}

@@ -1,0 +1,107 @@
+"""DuckDB over the store: one read-only view per dataset.
+
+Views: ``tito``, ``nodes``, ``scores``, ``rollouts``, ``samples``, ``steps``,
+``ledger``, ``cells`` (schemas in storage/schemas.py). Parquet on S3 is read
+through the store's s3fs file system registered with DuckDB (no httpfs
+extension needed). Connections are short-lived and in-memory, so queries never
+contend for a database file lock with a running flow.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from storage.schemas import SCHEMAS
+from storage.store import Store
+
+VIEWS = tuple(SCHEMAS)
+
+_WRITE = re.compile(
+    r"^\s*(insert|update|delete|create|drop|alter|copy|attach|detach|install|load|pragma|set|"
+    r"call|export|import|checkpoint|vacuum)\b",
+    re.IGNORECASE,
+)
+
+
+class SqlError(ValueError):
+    """A query was refused or failed; the message says why."""
+
+
+def connect(store: Store) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per dataset of the store."""
+    con = duckdb.connect(":memory:")
+    if store.protocol != "file":
+        con.register_filesystem(store.fs)
+    for name in VIEWS:
+        segs = store.segments(name)
+        if segs:
+            if store.protocol == "file":
+                glob = store.path(name, "part-*.parquet")
+            else:
+                glob = store.full_url(name, "part-*.parquet")
+            con.execute(
+                f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', union_by_name=true)"
+            )
+        else:
+            empty: pa.Table = SCHEMAS[name].empty_table()
+            con.register(f"_empty_{name}", empty)
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+    return con
+
+
+def query(store: Store, sql: str) -> pa.Table:
+    """Run one read-only query; returns an Arrow table."""
+    if _WRITE.match(sql):
+        raise SqlError("gyre sql is read-only: use SELECT / WITH / DESCRIBE / SHOW / EXPLAIN")
+    con = connect(store)
+    try:
+        return con.execute(sql).to_arrow_table()
+    except duckdb.Error as exc:
+        raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
+    finally:
+        con.close()
+
+
+def format_table(table: pa.Table, fmt: str = "table", max_width: int = 60) -> str:
+    """Render a query result as an aligned text table, CSV, or JSON lines."""
+    rows = table.to_pylist()
+    cols = table.column_names
+    if fmt == "json":
+        import json
+
+        return "\n".join(json.dumps(r, default=str) for r in rows)
+    if fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([_cell(r[c], 10**9) for c in cols])
+        return buf.getvalue().rstrip("\n")
+    if fmt != "table":
+        raise SqlError(f"--format {fmt!r}: use table, csv or json")
+    cells = [[_cell(r[c], max_width) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    line = "+".join("-" * (w + 2) for w in widths)
+    out = [" | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)), line]
+    out += [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
+
+
+def _cell(v: Any, max_width: int) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        s = f"{v:.6g}"
+    elif isinstance(v, list) and len(v) > 8:
+        s = "[" + ", ".join(str(x) for x in v[:8]) + f", ... ({len(v)} items)]"
+    else:
+        s = str(v)
+    return s if len(s) <= max_width else s[: max_width - 3] + "..."

@@ -1,0 +1,132 @@
+"""TITO records: token-in / token-out, delta-encoded.
+
+A rollout's raw contexts sum to O(calls x context) tokens; a TITO record stores
+only what is new: the tokens it shares with its parent record (the earlier call
+of the same session whose input + output shares the longest prefix with this
+call's input) are named by ``prefix_len``; the rest of the input is
+``new_input_ids``. The full input of any record is rebuilt by walking parents.
+
+Pure module: no prefect, no distributed, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TitoRecord:
+    """One model call, as stored (see storage/schemas.py: TITO_SCHEMA)."""
+
+    run_id: str
+    session_id: str
+    request_id: str
+    seq_no: int
+    parent_request_id: str | None
+    prefix_len: int
+    new_input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    output_logprobs: Sequence[float]
+    weight_version: int
+    cell_id: str = ""
+    finish_reason: str = "stop"
+    cached_tokens: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    endpoint: str = "generate"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.pop("extra")
+        row["new_input_ids"] = [int(t) for t in self.new_input_ids]
+        row["output_ids"] = [int(t) for t in self.output_ids]
+        row["output_logprobs"] = [float(x) for x in self.output_logprobs]
+        return row
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> TitoRecord:
+        names = cls.__dataclass_fields__.keys() - {"extra"}
+        return cls(**{k: row[k] for k in names if k in row})
+
+
+def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the longest common prefix of two token sequences (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def delta_encode(
+    full_input: Sequence[int], parent_context: Sequence[int] | None
+) -> tuple[int, list[int]]:
+    """Split a call's full input into (prefix_len shared with parent context, new suffix).
+
+    ``parent_context`` is the parent's full input followed by its output ids.
+    """
+    if parent_context is None:
+        return 0, [int(t) for t in full_input]
+    k = common_prefix_len(full_input, parent_context)
+    return k, [int(t) for t in full_input[k:]]
+
+
+class ReconstructionError(ValueError):
+    """A record names a parent that is missing or a prefix longer than the parent context."""
+
+
+def reconstruct_inputs(records: Iterable[TitoRecord]) -> dict[str, np.ndarray]:
+    """Full input ids of every record of one or more sessions, keyed by request id.
+
+    Records may come in any order; parents are resolved by request id.
+    Returns int32 arrays.
+    """
+    by_id = {r.request_id: r for r in records}
+    out: dict[str, np.ndarray] = {}
+
+    def context_of(rid: str) -> np.ndarray:
+        r = by_id[rid]
+        return np.concatenate([full(rid), np.asarray(r.output_ids, dtype=np.int32)])
+
+    def full(rid: str) -> np.ndarray:
+        if rid in out:
+            return out[rid]
+        # iterative walk up to the first resolved ancestor, then back down
+        chain = []
+        cur: str | None = rid
+        while cur is not None and cur not in out:
+            if cur not in by_id:
+                raise ReconstructionError(f"record {chain[-1]!r} names missing parent {cur!r}")
+            chain.append(cur)
+            cur = by_id[cur].parent_request_id
+        for cid in reversed(chain):
+            r = by_id[cid]
+            new = np.asarray(r.new_input_ids, dtype=np.int32)
+            if r.parent_request_id is None:
+                if r.prefix_len != 0:
+                    raise ReconstructionError(f"root record {cid!r} has prefix_len {r.prefix_len}")
+                out[cid] = new
+                continue
+            ctx = context_of(r.parent_request_id)
+            if r.prefix_len > len(ctx):
+                raise ReconstructionError(
+                    f"record {cid!r}: prefix_len {r.prefix_len} > parent context {len(ctx)}"
+                )
+            out[cid] = np.concatenate([ctx[: r.prefix_len], new])
+        return out[rid]
+
+    for rid in by_id:
+        full(rid)
+    return out
+
+
+def unique_tokens(records: Iterable[TitoRecord]) -> int:
+    """Tokens a session holds once each: every record's new input + output."""
+    return sum(len(r.new_input_ids) + len(r.output_ids) for r in records)

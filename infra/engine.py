@@ -44,7 +44,7 @@ from infra.sampling import SamplingParams, sample_next
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 2048  # tokens per prefill forward; decode steps run between chunks
+PREFILL_CHUNK = 1024  # tokens per prefill forward; decode steps run between chunks
 
 
 class EngineInputError(ValueError):
@@ -257,7 +257,9 @@ class Engine:
             if r.finish_reason is None and (abort_all or (rid and r.rid.startswith(rid))):
                 r.aborted = "aborted by request"
                 n += 1
-        self._kick()
+        if n:  # wake the scheduler to reap them, even while paused (no waiting on it here)
+            self._commands.put((lambda: None, Future()))
+            self._kick()
         return n
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -440,7 +442,8 @@ class Engine:
                 logits_to_keep=1,
                 **kwargs,
             )
-        return out.logits[:, -1, :].float()  # (B, V)
+        # (B, V) on the CPU: sampling uses each request's CPU generator, on any device
+        return out.logits[:, -1, :].float().cpu()
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)

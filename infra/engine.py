@@ -396,6 +396,9 @@ class Engine:
         for r in self._inbox + self._waiting + self._running:
             if r.finish_reason is None:
                 self._finish(r, {"type": "abort", "message": "engine closed"})
+        while not self._commands.empty():  # commands that raced with close
+            _, fut = self._commands.get()
+            fut.set_exception(RuntimeError("engine is closed"))
 
     # ------------------------------------------------------------------ internals
     def _validate_ids(self, input_ids) -> list[int]:
@@ -427,6 +430,8 @@ class Engine:
         """Run `fn` on the scheduler thread at the next step boundary; return its result."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._closed:
+            raise RuntimeError("engine is closed")
         fut: Future = Future()
         self._commands.put((fn, fut))
         self._kick()

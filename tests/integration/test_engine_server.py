@@ -1,6 +1,7 @@
 """The embedded engine over real HTTP (uvicorn on loopback) through `EngineClient`."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -191,3 +192,21 @@ def test_control_endpoints_over_http(model_dirs):
     assert res["success"] is True and version == "5"
     assert after["meta_info"]["weight_version"] == "5"
     assert bad.status == 400 and "nonexistent" in bad.server_message
+
+
+def test_stream_disconnect_aborts_the_request(server):
+    url, eng = server
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 20000, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+        "rid": "gone-0001",
+    }
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break  # read one chunk, then hang up
+    deadline = time.monotonic() + 5  # 20000 tokens would take minutes
+    while eng.load()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert eng.load()["running"] == 0

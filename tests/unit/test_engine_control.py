@@ -157,3 +157,33 @@ def test_kv_import_rejects_garbage_and_foreign_shapes(engine):
     foreign = kv_transfer.dumps([1, 2], torch.zeros(2, 2, 2, 2, 8), meta)
     with pytest.raises(KVFormatError, match="head_dim"):
         engine.import_kv(foreign)
+
+
+def test_internal_error_aborts_in_flight_and_engine_keeps_serving(engine, monkeypatch):
+    r = engine.submit(PROMPT, LONG)
+    wait_until(lambda: len(r.output_ids) >= 2)
+    real = engine._forward
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", broken)
+    assert r.done.wait(30)
+    assert r.finish_reason["type"] == "abort"
+    assert "simulated kernel failure" in r.finish_reason["message"]
+    after = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0})
+    assert len(after["output_ids"]) == 4
+    assert engine.load()["running"] == 0
+
+
+def test_closed_engine_refuses_work(dirs):
+    eng = Engine(dirs[0])
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit(PROMPT, {})
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.flush_cache()

@@ -57,40 +57,86 @@ class BatchLayer:
 
 
 class BatchKV:
-    """Left-padded KV of the running batch: buffer ``(L, 2, B, H, cap, D)``.
+    """Left-padded KV of the running batch: buffer ``(L, 2, rows, H, cap, D)``.
 
-    Row b holds its ``lens[b]`` tokens at columns ``[end - lens[b], end)``. Rebuilt when the
-    membership changes; grows (doubling) when ``end`` reaches ``cap``.
+    Row b holds its ``lens[b]`` tokens at columns ``[end - lens[b], end)``; rows past
+    ``len(lens)`` are free slots. Joining and leaving copy one row, not the batch: a new row
+    goes into the next free slot, a leaving row is replaced by the last one (so row order is
+    not stable: the engine permutes its request list the same way). The buffer is re-laid
+    out only when it must grow (more rows, longer rows, more columns) or when the left
+    padding has grown past half of it.
     """
 
-    def __init__(self, rows: list[torch.Tensor], like: torch.Tensor):
-        # rows: per request KV (L, 2, H, n_b, D)
-        self.lens = [r.shape[3] for r in rows]
-        self.end = max(self.lens) if rows else 0
-        L, _, H, _, D = like.shape
-        cap = max(64, int(self.end * 1.25) + 32)
-        self.buf = like.new_zeros((L, 2, len(rows), H, cap, D))
-        for b, r in enumerate(rows):
-            self.buf[:, :, b, :, self.end - r.shape[3] : self.end] = r
+    def __init__(self, like: torch.Tensor):
+        self.shape = like.shape  # (L, 2, H, n, D) of one row
+        self.buf: torch.Tensor | None = None
+        self.lens: list[int] = []
+        self.end = 0
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def _layout(self, rows: int, end: int, cap: int) -> None:
+        """Copy the live rows into a fresh buffer with `rows` slots ending at column `end`."""
+        L, _, H, _, D = self.shape
+        old, old_end = self.buf, self.end
+        self.buf = old.new_zeros((L, 2, rows, H, cap, D))
+        for b, n in enumerate(self.lens):
+            self.buf[:, :, b, :, end - n : end] = old[:, :, b, :, old_end - n : old_end]
+        self.end = end
+
+    def add(self, kv: torch.Tensor) -> None:
+        """Append a row with KV ``(L, 2, H, n, D)``."""
+        n = kv.shape[3]
+        if self.buf is None:
+            L, _, H, _, D = kv.shape
+            self.buf = kv.new_zeros((L, 2, 4, H, max(64, int(n * 1.25) + 32), D))
+            self.end = n
+        rows = self.buf.shape[2]
+        need_rows = len(self.lens) + 1
+        if need_rows > rows or n > self.end:
+            end = max(self.end, n)
+            cap = max(self.buf.shape[4], int(end * 1.25) + 32)
+            self._layout(2 * rows if need_rows > rows else rows, end, cap)
+        b = len(self.lens)
+        self.buf[:, :, b, :, : self.end - n] = 0
+        self.buf[:, :, b, :, self.end - n : self.end] = kv
+        self.lens.append(n)
+
+    def remove(self, b: int) -> torch.Tensor:
+        """Drop row b, returning its KV (a copy); the last row moves into slot b."""
+        kv = self.row(b)
+        last = len(self.lens) - 1
+        if b != last:
+            self.buf[:, :, b, :, : self.end] = self.buf[:, :, last, :, : self.end]
+            self.lens[b] = self.lens[last]
+        self.lens.pop()
+        if self.lens and max(self.lens) < self.end // 2 and self.end > 256:
+            self._layout(self.buf.shape[2], max(self.lens), self.buf.shape[4])  # trim padding
+        return kv
 
     def row(self, b: int) -> torch.Tensor:
         """KV of row b as (L, 2, H, n, D), a copy."""
         return self.buf[:, :, b, :, self.end - self.lens[b] : self.end].clone()
 
     def ensure_room(self, q: int = 1) -> None:
-        if self.end + q <= self.buf.shape[4]:
-            return
-        L, two, B, H, cap, D = self.buf.shape
-        new = self.buf.new_zeros((L, two, B, H, max(2 * cap, self.end + q), D))
-        new[:, :, :, :, : self.end] = self.buf[:, :, :, :, : self.end]
-        self.buf = new
+        if self.end + q > self.buf.shape[4]:
+            self._layout(self.buf.shape[2], self.end, max(2 * self.buf.shape[4], self.end + q))
+
+    def advance(self, q: int = 1) -> None:
+        """Account for `q` tokens written at ``end`` in every row by a forward."""
+        self.end += q
+        self.lens = [n + q for n in self.lens]
 
     def cache(self) -> Cache:
-        """A transformers `Cache` whose layers write into this buffer."""
-        layers = [
-            BatchLayer(self.buf[i, 0], self.buf[i, 1], self.end) for i in range(len(self.buf))
-        ]
-        return make_cache(layers)
+        """A transformers `Cache` over the live rows, writing into this buffer."""
+        B = len(self.lens)
+        return make_cache(
+            [
+                BatchLayer(self.buf[i, 0, :B], self.buf[i, 1, :B], self.end)
+                for i in range(len(self.buf))
+            ]
+        )
 
     def attention_mask(self, dtype) -> torch.Tensor:
         """Additive 4D mask (B, 1, 1, end+1) for a one-token step: 0 = attend, min = pad."""

@@ -590,26 +590,25 @@ class Engine:
 
     # -- decode
     def _add_row(self, req: Request, kv: torch.Tensor) -> None:
-        rows = [self._batch.row(b) for b in range(len(self._running))] if self._batch else []
-        rows.append(kv)
+        if self._batch is None:
+            self._batch = BatchKV(like=kv)
+        self._batch.add(kv)
         self._running.append(req)
-        self._batch = BatchKV(rows, like=kv)
 
     def _remove_rows(self, idx: list[int], cache: bool = False) -> None:
-        """Drop rows `idx` from the batch; with `cache`, insert their KV into the radix cache."""
-        if not idx:
-            return
-        drop = set(idx)
-        keep_rows, keep_reqs = [], []
-        for b, r in enumerate(self._running):
-            if b in drop:
-                if cache and r.kv_epoch == self._epoch:
-                    self.radix.insert(r.kv_ids, self._batch.row(b))
-            else:
-                keep_reqs.append(r)
-                keep_rows.append(self._batch.row(b))
-        self._running = keep_reqs
-        self._batch = BatchKV(keep_rows, like=keep_rows[0]) if keep_rows else None
+        """Drop rows `idx` from the batch; with `cache`, insert their KV into the radix cache.
+
+        `BatchKV.remove` moves the last row into the freed slot; `_running` mirrors that.
+        """
+        for b in sorted(set(idx), reverse=True):
+            r = self._running[b]
+            kv = self._batch.remove(b)
+            self._running[b] = self._running[-1]
+            self._running.pop()
+            if cache and r.kv_epoch == self._epoch:
+                self.radix.insert(r.kv_ids, kv)
+        if not self._running:
+            self._batch = None
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -618,8 +617,7 @@ class Engine:
         pos = torch.tensor([[n] for n in batch.lens], device=self.device)
         mask = batch.attention_mask(self.dtype).to(self.device)
         logits = self._forward(tokens, pos, batch.cache(), mask)
-        batch.end += 1
-        batch.lens = [n + 1 for n in batch.lens]
+        batch.advance(1)
         self.stats["engine/decode_steps"] += 1
         done = [(b, r, self._emit(r, logits[b])) for b, r in enumerate(self._running)]
         done = [(b, r, reason) for b, r, reason in done if reason is not None]

@@ -169,5 +169,6 @@ def default_worker_env() -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY",
         "AWS_DEFAULT_REGION",
         "HF_HUB_OFFLINE",
+        "GYRE_ENGINE_AUDIT_DIR",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}

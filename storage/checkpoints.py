@@ -1,4 +1,5 @@
-"""Versioned checkpoints in the store: ``checkpoints/v{N}/`` (safetensors + config + tokenizer).
+"""Versioned checkpoints in the store: ``checkpoints/{run_id}/v{N}/`` (safetensors + config +
+tokenizer, and the trainer's optimizer state).
 
 A checkpoint is complete once its ``COMPLETE`` marker exists (written last), so
 an engine never loads a half-copied version. Version 0 is the initial model.
@@ -17,43 +18,48 @@ _MARK = "COMPLETE"
 _VDIR = re.compile(r"^v(\d+)$")
 
 
-def checkpoint_relpath(version: int) -> str:
-    return f"checkpoints/v{int(version)}"
+def checkpoint_relpath(run_id: str, version: int) -> str:
+    return f"checkpoints/{run_id}/v{int(version)}"
 
 
-def publish_checkpoint(store: Store, local_dir: str, version: int) -> str:
+def publish_checkpoint(store: Store, run_id: str, local_dir: str, version: int) -> str:
     """Copy a local checkpoint dir into the store as ``version``; returns its store URL."""
-    rel = checkpoint_relpath(version)
+    rel = checkpoint_relpath(run_id, version)
     store.put_dir(local_dir, rel)
     store.write_bytes(f"{rel}/{_MARK}", str(version).encode())
     return store.full_url(rel)
 
 
-def versions(store: Store) -> list[int]:
+def versions(store: Store, run_id: str) -> list[int]:
     out = []
-    for name in store.listdir("checkpoints"):
+    for name in store.listdir(f"checkpoints/{run_id}"):
         m = _VDIR.match(name)
-        if m and store.exists(f"checkpoints/{name}/{_MARK}"):
+        if m and store.exists(f"checkpoints/{run_id}/{name}/{_MARK}"):
             out.append(int(m.group(1)))
     return sorted(out)
 
 
-def latest_version(store: Store) -> int | None:
-    vs = versions(store)
+def latest_version(store: Store, run_id: str) -> int | None:
+    vs = versions(store, run_id)
     return vs[-1] if vs else None
 
 
 def fetch_checkpoint(
-    store: Store, version: int, cache_dir: str | None = None, *, with_optimizer: bool = False
+    store: Store,
+    run_id: str,
+    version: int,
+    cache_dir: str | None = None,
+    *,
+    with_optimizer: bool = False,
 ) -> str:
     """A local directory holding checkpoint ``version`` (no copy when the store is local)."""
-    rel = checkpoint_relpath(version)
+    rel = checkpoint_relpath(run_id, version)
     if not store.exists(f"{rel}/{_MARK}"):
         raise FileNotFoundError(f"checkpoint v{version} is not complete in {store.url}")
     if store.protocol == "file":
         return store.path(rel)
     cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "gyre-ckpt")
-    dest = os.path.join(cache_dir, store.root.replace("/", "_"), f"v{version}")
+    dest = os.path.join(cache_dir, store.root.replace("/", "_"), run_id, f"v{version}")
     if os.path.exists(os.path.join(dest, _MARK)):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)

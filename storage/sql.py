@@ -59,7 +59,7 @@ def query(store: Store, sql: str) -> pa.Table:
         raise SqlError("gyre sql is read-only: use SELECT / WITH / DESCRIBE / SHOW / EXPLAIN")
     con = connect(store)
     try:
-        return con.execute(sql).to_arrow_table()
+        return con.sql(sql).to_arrow_table()
     except duckdb.Error as exc:
         raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
     finally:

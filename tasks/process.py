@@ -1,0 +1,151 @@
+"""Prefect task: TITO records of one step's rollouts -> trees, node index, rewards, samples.
+
+Reads the step's records and scores from the store, composes the pure
+trajectory processor (tasks/tree.py, tasks/scoring.py, tasks/sampler.py) and
+writes the ``nodes``, ``rollouts`` and ``samples`` datasets. Returns a small
+handle (the samples segment path and counts), never tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import task
+from prefect.logging import get_run_logger
+
+from storage.store import Store
+from tasks.sampler import build_samples
+from tasks.scoring import Score, score_rollout, scores_at_requests
+from tasks.tito import TitoRecord
+from tasks.tree import build_trees
+
+
+def _rows_for_sessions(store: Store, dataset: str, session_ids: list[str]) -> list[dict[str, Any]]:
+    table = store.read(dataset)
+    if table.num_rows == 0:
+        return []
+    mask = pc.is_in(table["session_id"], value_set=pa.array(session_ids))
+    return table.filter(mask).to_pylist()
+
+
+def process_sessions(
+    store: Store,
+    run_id: str,
+    step: int,
+    sessions: list[dict[str, Any]],
+    *,
+    current_version: int,
+    aggregation: str = "weighted_mean",
+    estimator: str = "grpo",
+    max_staleness: int | None = None,
+    stale_mode: str = "drop",
+) -> dict[str, Any]:
+    """The body of ``process_step`` (callable without Prefect, e.g. in tests)."""
+    sids = [s["session_id"] for s in sessions]
+    records = [TitoRecord.from_row(r) for r in _rows_for_sessions(store, "tito", sids)]
+    scores = [
+        Score(**{k: r[k] for k in Score.__dataclass_fields__})
+        for r in _rows_for_sessions(store, "scores", sids)
+    ]
+    trees = build_trees(records)
+    at = scores_at_requests(scores)
+    node_rows = [row for t in trees.values() for row in t.node_rows(run_id, at)]
+    store.append("nodes", node_rows)
+
+    rewards: dict[str, float] = {}
+    rollout_rows = []
+    by_sid = {r.session_id: [] for r in records}
+    for r in records:
+        by_sid[r.session_id].append(r)
+    for s in sessions:
+        sid = s["session_id"]
+        rs = score_rollout(
+            run_id,
+            sid,
+            scores,
+            status=s["status"],
+            reason=s.get("reason", ""),
+            aggregation=aggregation,
+        )
+        rewards[sid] = rs.reward
+        recs = by_sid.get(sid, [])
+        flat = 0
+        if sid in trees:
+            flat = sum(trees[sid].context_len(r.request_id) for r in recs)
+        rollout_rows.append(
+            {
+                "run_id": run_id,
+                "session_id": sid,
+                "group_id": s["group_id"],
+                "step": step,
+                "task_id": s.get("task_id", ""),
+                "status": s["status"],
+                "reward": rs.reward,
+                "n_calls": len(recs),
+                "n_tokens_unique": sum(len(r.new_input_ids) + len(r.output_ids) for r in recs),
+                "n_tokens_flat": flat,
+                "reason": s.get("reason", ""),
+            }
+        )
+    store.append("rollouts", rollout_rows)
+
+    samples = build_samples(
+        trees,
+        rewards,
+        {s["session_id"]: s["group_id"] for s in sessions},
+        run_id=run_id,
+        step=step,
+        estimator=estimator,
+        scores=scores,
+        current_version=current_version,
+        max_staleness=max_staleness,
+        stale_mode=stale_mode,
+    )
+    seg = store.append("samples", [s.to_row() for s in samples])
+    return {
+        "samples_segment": seg,
+        "sample_ids": [s.sample_id for s in samples],
+        "n_samples": len(samples),
+        "n_calls": len(records),
+        "n_nodes": len(node_rows),
+        "tokens_unique": int(sum(r["n_tokens_unique"] for r in rollout_rows)),
+        "tokens_flat": int(sum(r["n_tokens_flat"] for r in rollout_rows)),
+        "reward_mean": float(np.mean(list(rewards.values()))) if rewards else 0.0,
+    }
+
+
+@task(name="process-step", task_run_name="process-step-{step}")
+def process_step(
+    store: Store,
+    run_id: str,
+    step: int,
+    sessions: list[dict[str, Any]],
+    current_version: int,
+    train_cfg: dict[str, Any],
+) -> dict[str, Any]:
+    """Trees, scores and samples of one step's sessions."""
+    out = process_sessions(
+        store,
+        run_id,
+        step,
+        sessions,
+        current_version=current_version,
+        aggregation=train_cfg["reward_aggregation"],
+        estimator=train_cfg["advantage"],
+        max_staleness=train_cfg["max_staleness"],
+        stale_mode=train_cfg["stale_policy"],
+    )
+    get_run_logger().info(
+        "step %d: %d calls -> %d nodes, %d samples; unique/flat tokens %d/%d; reward %.3f",
+        step,
+        out["n_calls"],
+        out["n_nodes"],
+        out["n_samples"],
+        out["tokens_unique"],
+        out["tokens_flat"],
+        out["reward_mean"],
+    )
+    return out

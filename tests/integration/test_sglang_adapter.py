@@ -137,7 +137,7 @@ PROMPT = [(17 * i) % 900 + 11 for i in range(64)]
 @pytest.mark.parametrize("move_kv", [True, False])
 def test_drain_moves_in_flight_requests(two_servers, move_kv):
     (url_a, url_b), (eng_a, _) = two_servers
-    greedy = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    greedy = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
 
     async def go():
         async with EngineClient(url_a) as a, EngineClient(url_b) as b:
@@ -161,10 +161,10 @@ def test_drain_moves_in_flight_requests(two_servers, move_kv):
     reference, merged = asyncio.run(go())
     for m in merged[:3]:
         meta = m["meta_info"]
-        assert 0 < meta["drained_tokens"] < 400
+        assert 0 < meta["drained_tokens"] < 200
         # greedy continues exactly where the source stopped
         assert m["output_ids"] == reference["output_ids"]
-        assert meta["completion_tokens"] == 400 and meta["finish_reason"]["type"] == "length"
+        assert meta["completion_tokens"] == 200 and meta["finish_reason"]["type"] == "length"
         assert [t for _, t, _ in meta["output_token_logprobs"]] == m["output_ids"]
         if move_kv:
             assert meta["cached_tokens"] >= len(PROMPT) + meta["drained_tokens"] - 1

@@ -156,17 +156,20 @@ def test_stop_token_and_eos(engine):
     res = engine.generate(p, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at]})
     assert res["output_ids"] == free["output_ids"][: first + 1]
     assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
-    # eos stops by default: force a long sampled run until eos shows up
-    eos = engine.eos_token_ids
-    reached = False
-    for seed in range(40):
-        r = engine.generate(p, {"max_new_tokens": 64, "temperature": 1.5, "sampling_seed": seed})
-        if r["meta_info"]["finish_reason"]["type"] == "stop":
-            assert r["output_ids"][-1] in eos
-            assert all(t not in eos for t in r["output_ids"][:-1])
-            reached = True
-            break
-    assert reached, "no sampled run hit eos in 40 seeds"
+    # eos stops by default, and not with ignore_eos: make the 4th greedy token "eos"
+    fake_eos = free["output_ids"][3]
+    real_eos = engine.eos_token_ids
+    engine.eos_token_ids = [fake_eos]
+    try:
+        r = engine.generate(p, {"max_new_tokens": 12, "temperature": 0})
+        ignored = engine.generate(p, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    finally:
+        engine.eos_token_ids = real_eos
+    stop = free["output_ids"].index(fake_eos)
+    assert r["output_ids"] == free["output_ids"][: stop + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": fake_eos}
+    assert ignored["output_ids"] == free["output_ids"]
+    assert real_eos[0] == engine.tokenizer.eos_token_id  # <|im_end|> is the real one
 
 
 def test_invalid_input_is_rejected(engine):

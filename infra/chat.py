@@ -81,6 +81,56 @@ class ChatTokenizer:
         self.im_end_id = self.hf.convert_tokens_to_ids(self.im_end)
         self._special_ids = set(self.hf.all_special_ids)
         self._token_str: dict[int, str] = {}
+        self.message_local = self._check_message_local()
+
+    def _check_message_local(self) -> bool:
+        """Does a message render the same whatever came before it (bar a leading system turn)?
+
+        Then the text a new turn adds can be rendered from a short probe conversation instead
+        of the whole (up to ~1M-token) history. Checked once on synthetic conversations.
+        """
+        tc = [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        convs = [
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+             {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"},
+             {"role": "assistant", "content": "A2"}, {"role": "user", "content": "U3"}],
+            [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "", "tool_calls": tc},
+             {"role": "tool", "content": "R"}, {"role": "assistant", "content": "A2"},
+             {"role": "user", "content": "U3"}],
+        ]  # fmt: skip
+        try:
+            for msgs in convs:
+                for tl in (None, tools):
+                    for k in range(1, len(msgs)):
+                        if msgs[k]["role"] != "assistant":
+                            continue
+                        full = self._suffix(msgs, k, tl, probe=False)
+                        if full is None or full != self._suffix(msgs, k, tl, probe=True):
+                            return False
+        except Exception:
+            return False
+        return True
+
+    def _suffix(self, messages: list[dict], k: int, tools, *, probe: bool) -> tuple | None:
+        """(text after messages[:k+1] up to the reply's end marker, marker cut) or None."""
+        if probe:
+            head = [messages[0]] if k > 0 and messages[0].get("role") == "system" else []
+            pre, new = [*head, messages[k]], [*head, *messages[k:]]
+        else:
+            pre, new = messages[: k + 1], messages
+        t_pre = self.render(pre, tools, False)
+        t_new = self.render(new, tools, True)
+        cut = t_pre.rfind(self.im_end)
+        if cut < 0 or not t_new.startswith(t_pre):
+            return None
+        return t_new[cut:], len(t_pre) - cut
+
+    def suffix_after_reply(self, messages: list[dict], k: int, tools) -> str | None:
+        """Templated text that follows the assistant reply ``messages[k]``, starting at the
+        reply's closing ``<|im_end|>`` (None if the template is not prefix-stable here)."""
+        got = self._suffix(messages, k, tools, probe=self.message_local)
+        return None if got is None else got[0]
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
         try:
@@ -323,6 +373,8 @@ class SessionCalls:
         self._by_reply: dict[tuple[bytes, bytes], str] = {}
         self._ctx: OrderedDict[str, np.ndarray] = OrderedDict()
         self._ctx_cap = ctx_cache
+        self._heads = np.full((0, CHUNK), -1, dtype=np.int32)  # first CHUNK tokens per call
+        self._head_rids: list[str] = []
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -407,9 +459,17 @@ class SessionCalls:
             else:
                 hi = mid - 1
         j = lo
-        cands = self._by_chunk[hashes[(j - 1) * _H : j * _H]] if j else list(self.calls)
         base = j * CHUNK
         want = ids[base : base + CHUNK]
+        if j == 0:  # no full chunk shared: one vectorised compare against every call's head
+            heads = self._heads[: len(self._head_rids), : len(want)]
+            eq = heads == want
+            k_rows = np.where(eq.all(axis=1), len(want), eq.argmin(axis=1))
+            best_k = int(k_rows.max()) if len(k_rows) else 0
+            if best_k == 0:
+                return None, 0, hashes
+            return self._head_rids[int(np.flatnonzero(k_rows == best_k)[-1])], best_k, hashes
+        cands = self._by_chunk[hashes[(j - 1) * _H : j * _H]]
         best, best_k, best_seq = None, -1, -1
         for rid in cands:
             k = base + common_prefix_len(want, self._slice(rid, base, base + CHUNK))
@@ -462,7 +522,18 @@ class SessionCalls:
             head=ctx_head,
         )
         self.calls[request_id] = c
-        for j in range(len(hashes) // _H):
+        n = len(self._head_rids)
+        if n == len(self._heads):
+            grown = np.full((max(16, 2 * n), CHUNK), -1, dtype=np.int32)
+            grown[:n] = self._heads
+            self._heads = grown
+        self._heads[n, : len(ctx_head)] = ctx_head
+        self._head_rids.append(request_id)
+        # Chunks fully inside the parent's shared prefix (and the one after) are already
+        # represented by an ancestor with the same tokens there: register only the rest, so
+        # that recording a call costs O(new tokens), not O(context).
+        first = max(0, inp.prefix_len // CHUNK - 1) if inp.parent_request_id else 0
+        for j in range(first, len(hashes) // _H):
             self._by_chunk.setdefault(hashes[j * _H : (j + 1) * _H], []).append(request_id)
         if reply is not None:
             reply_digest = digest(reply)
@@ -487,13 +558,11 @@ def build_chat_input(
     if found is not None:
         rid, k = found
         c = calls.calls[rid]
-        t_pre = tok.render(messages[: k + 1], tools, False)
-        t_new = tok.render(messages, tools, True)
-        cut = t_pre.rfind(tok.im_end)
-        if t_new.startswith(t_pre) and cut >= 0:
-            if c.ended_im_end:
-                cut += len(tok.im_end)
-            suffix = np.asarray(tok.encode(t_new[cut:]), dtype=np.int32)
+        text = tok.suffix_after_reply(messages, k, tools)  # starts at the reply's <|im_end|>
+        if text is not None:
+            if c.ended_im_end:  # the output already holds <|im_end|>: keep the generated id
+                text = text[len(tok.im_end) :]
+            suffix = np.asarray(tok.encode(text), dtype=np.int32)
             ids = np.concatenate([calls.context(rid), suffix])
             hint, mode = rid, "extend"
     if ids is None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import uvicorn
 
 from infra.chat import ChatInput, ChatTokenizer, SessionCalls, apply_stop, digest
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _VERSION_DIGITS = re.compile(r"(-?\d+)\s*$")
 MAX_ATTEMPTS = 6  # engine attempts per call (withdrawal, aborts, dead cells)
+OFFLOAD_TOKENS = 65_536  # sessions at least this large build inputs off the event loop
 
 
 def parse_weight_version(v: Any) -> int:
@@ -89,6 +91,7 @@ class Gateway:
         default_max_tokens: int = 1024,
         flush_records: int = 512,
         flush_seconds: float = 2.0,
+        wal_fsync: bool = True,
     ):
         self.store = store
         self.run_id = run_id
@@ -107,9 +110,11 @@ class Gateway:
             os.path.join(self.spool_dir, "tito"),
             flush_records=flush_records,
             flush_seconds=flush_seconds,
+            fsync=wal_fsync,
         )
         self.sessions = SessionTable(os.path.join(self.spool_dir, "sessions.jsonl"))
         self._restore_pending = {s.session_id for s in self.sessions.all()}
+        self._restore_table = None
         self._keys_path = os.path.join(self.spool_dir, "chatkeys.bin")
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
         self.router = Router()
@@ -125,7 +130,9 @@ class Gateway:
         """Serve in a background thread (own event loop); return the base URL."""
         from infra.gateway_http import build_app
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when
+        # the listening socket says TCP (proto 0 leaves Nagle on: ~40 ms per response).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
@@ -279,7 +286,8 @@ class Gateway:
                 return
             new = self.router.pick_new(exclude={old.cell_id})
             if s.last_request_id is not None and old.state != "dead":
-                ctx = s.calls.context(s.last_request_id).tolist()
+                with s.state_lock:
+                    ctx = s.calls.context(s.last_request_id).tolist()
                 await self.router.move_kv(old, new, ctx)
             self.router.assign(s.session_id, new, old)
             s.cell_id = new.cell_id
@@ -308,7 +316,23 @@ class Gateway:
         if s.session_id in self._restore_pending:
             self._restore_pending.discard(s.session_id)
             self._restore(s)
+            if not self._restore_pending:
+                self._restore_table = None
         return s.calls
+
+    async def prepare(self, s: Session, build, *args) -> ChatInput:
+        """``build(calls, *args)`` under the session's state lock; on a worker thread once the
+        session is large (templating and hashing a ~1M-token context take tens of ms, which
+        would otherwise stall every other session on the event loop)."""
+        calls = self.session_calls(s)
+
+        def run() -> ChatInput:
+            with s.state_lock:
+                return build(calls, *args)
+
+        if s.tokens >= OFFLOAD_TOKENS:
+            return await asyncio.to_thread(run)
+        return run()
 
     def budget(self, n_in: int, gp: GenParams, param: str = "messages") -> int:
         """max_new_tokens for a call, or a 400 when the context does not fit the model."""
@@ -470,7 +494,8 @@ class Gateway:
             endpoint=endpoint,
         )
         await self.tito.append_async(rec)
-        s.calls.add(rid, seq, inp, rec.output_ids, reply=reply, im_end_id=self.tok.im_end_id)
+        with s.state_lock:
+            s.calls.add(rid, seq, inp, rec.output_ids, reply=reply, im_end_id=self.tok.im_end_id)
         s.last_request_id = rid
         if inp.msg_key is not None and reply is not None:
             line = f"{s.session_id} {rid} {inp.msg_key.hex()} {digest(reply).hex()}\n"
@@ -483,12 +508,13 @@ class Gateway:
 
     def _restore(self, s: Session) -> None:
         """Rebuild a journaled session's call index from its TITO records and message keys."""
-        table = self.store.read("tito")
-        recs = [
-            r
-            for r in table_to_records(table)
-            if r.session_id == s.session_id and r.run_id == self.run_id
-        ]
+        if self._restore_table is None:  # read once for all journaled sessions
+            self._restore_table = self.store.read("tito")
+        table = self._restore_table
+        mask = pc.and_(
+            pc.equal(table["session_id"], s.session_id), pc.equal(table["run_id"], self.run_id)
+        )
+        recs = table_to_records(table.filter(mask))
         if not recs:
             return
         keys: dict[str, tuple[bytes, bytes]] = {}
@@ -519,9 +545,13 @@ class Gateway:
             )
             s.last_request_id = r.request_id
         s.seq = max(s.seq, max(r.seq_no for r in recs) + 1)
+        s.tokens = sum(len(r.new_input_ids) + len(r.output_ids) for r in recs)
 
     def stats(self) -> dict:
+        """Flat metrics; ``gateway/loop_cpu_s`` is the event-loop thread's CPU time when called
+        on the loop (the HTTP endpoint does), else the calling thread's."""
         return {
+            "gateway/loop_cpu_s": time.thread_time(),
             **{f"gateway/{k}": v for k, v in self.counters.items()},
             "gateway/sessions": len(self.sessions),
             "gateway/kv_moves": self.router.kv_moves,

@@ -53,8 +53,11 @@ if TYPE_CHECKING:
 _JSON = "application/json"
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type=_JSON)
+def _json(obj: Any, status: int = 200, res: GenResult | None = None) -> Response:
+    headers = None
+    if res is not None:  # engine round trip as the gateway saw it (bench/gateway.py)
+        headers = {"x-gyre-engine-ms": f"{1e3 * (res.t_end - res.t_start):.3f}"}
+    return Response(dumps(obj), status_code=status, media_type=_JSON, headers=headers)
 
 
 def _bearer(request: Request) -> str | None:
@@ -142,7 +145,7 @@ def build_app(gw: Gateway) -> Starlette:
         parse_tools = bool(tools) and body.get("tool_choice") != "none"
         try:
             messages = normalize_messages(body.get("messages"))
-            inp = build_chat_input(tok, gw.session_calls(s), messages, tools)
+            inp = await gw.prepare(s, lambda calls: build_chat_input(tok, calls, messages, tools))
         except ChatInputError as exc:
             raise bad(str(exc), "messages") from exc
         max_new = gw.budget(len(inp.input_ids), gp)
@@ -164,7 +167,7 @@ def build_app(gw: Gateway) -> Starlette:
             await gw.record(s, rid, seq, inp, res, "chat", reply_key(content, calls))
             lp = chat_logprobs(token_strs(res.output_ids), res.logprobs) if gp.logprobs else None
             use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-            return _json(chat_body(rid, model, content, calls, reason, use, lp))
+            return _json(chat_body(rid, model, content, calls, reason, use, lp), res=res)
 
         created = int(time.time())
         hold = max((len(x) for x in gp.stop), default=1) - 1
@@ -256,7 +259,7 @@ def build_app(gw: Gateway) -> Starlette:
             ids = tok.encode(prompt)
         else:
             ids = check_token_ids(prompt, tok.vocab_size, "prompt")
-        inp = build_token_input(gw.session_calls(s), ids)
+        inp = await gw.prepare(s, build_token_input, ids)
         max_new = gw.budget(len(ids), gp, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         seq = s.next_seq()
@@ -271,7 +274,7 @@ def build_app(gw: Gateway) -> Starlette:
                 else None
             )
             use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-            return _json(completion_body(rid, model, text, _reason(res), use, lp))
+            return _json(completion_body(rid, model, text, _reason(res), use, lp), res=res)
 
         created = int(time.time())
 
@@ -332,7 +335,7 @@ def build_app(gw: Gateway) -> Starlette:
         if ids is None and isinstance(body.get("text"), str) and body["text"]:
             ids = tok.encode(body["text"])
         ids = check_token_ids(ids, tok.vocab_size, "input_ids")
-        inp = build_token_input(gw.session_calls(s), ids)
+        inp = await gw.prepare(s, build_token_input, ids)
         max_new = gw.budget(len(ids), gp, "input_ids")
         rid = f"gen-{uuid.uuid4().hex}"
         seq = s.next_seq()
@@ -358,7 +361,7 @@ def build_app(gw: Gateway) -> Starlette:
             res = await gw.generate(s, rid, ids, gp, max_new)
             text, _ = gw.trim_stop(res, gp.stop)
             await gw.record(s, rid, seq, inp, res, "generate")
-            return _json(native(res, text, True))
+            return _json(native(res, text, True), res=res)
 
         async def events():
             from infra.gateway import GenResult

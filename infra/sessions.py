@@ -31,7 +31,9 @@ class Session:
     cell_id: str | None = None
     last_request_id: str | None = None  # latest finished call (its context is the KV to move)
     inflight: int = 0
-    tokens: int = 0
+    tokens: int = 0  # unique tokens so far (new input + output of every call)
+    # guards `calls` when a large session's input is built on a worker thread
+    state_lock: threading.Lock = field(default_factory=threading.Lock)
     _lock: asyncio.Lock | None = None
 
     def next_seq(self) -> int:

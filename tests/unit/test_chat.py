@@ -207,3 +207,18 @@ def test_find_parent_matches_brute_force_on_long_random_tree():
     for rid, ctx in contexts.items():  # rebuilt from deltas (cache holds only 2)
         assert np.array_equal(calls.context(rid), ctx)
     assert max(len(c) for c in contexts.values()) > 3 * CHUNK
+
+
+def test_template_is_message_local_and_probe_matches_full_render(tok):
+    assert tok.message_local
+    long = [SYS] + [
+        m
+        for i in range(30)
+        for m in (
+            {"role": "user", "content": f"Question {i}?"},
+            {"role": "assistant", "content": f"Answer {i}."},
+        )
+    ]
+    msgs = [*long, {"role": "user", "content": "Last."}]
+    k = len(long) - 1
+    assert tok._suffix(msgs, k, None, probe=True) == tok._suffix(msgs, k, None, probe=False)

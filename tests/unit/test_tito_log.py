@@ -189,3 +189,18 @@ def test_bytes_report_delta_vs_naive():
     assert rep["unique_tokens"] == 20 * 1300
     assert rep["naive_over_unique"] > 5
     assert rep["stored_over_unique"] < 1.1
+
+
+def test_no_fsync_mode_survives_abandon(tmp_path):
+    import asyncio
+
+    store = Store(str(tmp_path / "store"))
+    spool = str(tmp_path / "spool")
+    log = TitoLog(store, spool, flush_seconds=60, fsync=False)
+    log.append(_rec(0))
+    asyncio.run(_append_many_async(log, 3))  # r0000..r0002 again: same ids, 4 records
+    log.abandon()
+    assert store.read("tito").num_rows == 0
+    log2 = TitoLog(store, spool)
+    assert log2.replayed == 4
+    log2.close()

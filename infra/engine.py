@@ -281,7 +281,6 @@ class Engine:
         self,
         model_path: str,
         weight_version: int | str | None = None,
-        *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
     ) -> dict:

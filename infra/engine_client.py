@@ -52,13 +52,21 @@ def _message(resp: httpx.Response) -> str:
 class EngineClient:
     """Async client for one engine server at `base_url` (e.g. ``http://127.0.0.1:30000``)."""
 
-    def __init__(self, base_url: str, *, timeout: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        """`transport` replaces the network (tests pass an `httpx.MockTransport`)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            transport=transport,
         )
 
     # ------------------------------------------------------------------ transport
@@ -195,7 +203,12 @@ class EngineClient:
         return await self._json("POST", "/update_weights_from_disk", json=payload)
 
     async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache")
+        try:
+            await self._request("POST", "/flush_cache")
+        except EngineError as e:
+            if e.status != 405:
+                raise
+            await self._request("GET", "/flush_cache")  # older SGLang: GET only
 
     async def health(self) -> bool:
         try:
@@ -205,7 +218,19 @@ class EngineClient:
         return resp.status_code == 200
 
     async def model_info(self) -> dict:
-        return await self._json("GET", "/get_model_info")
+        """``/get_model_info``, with ``max_context_length`` filled in from
+        ``/get_server_info`` (``context_length``) when the server leaves it out, as SGLang does.
+        """
+        info = await self._json("GET", "/get_model_info")
+        if "max_context_length" not in info:
+            try:
+                server = await self.server_info()
+            except EngineError:
+                server = {}
+            ctx = server.get("context_length") or server.get("max_context_length")
+            if ctx:
+                info["max_context_length"] = int(ctx)
+        return info
 
     async def server_info(self) -> dict:
         return await self._json("GET", "/get_server_info")

@@ -233,6 +233,7 @@ def make_tiny_model(out_dir: str | os.PathLike | None = None, *, seed: int = 0) 
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
     try:
         _build(tmp, seed)
         try:

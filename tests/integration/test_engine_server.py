@@ -210,3 +210,37 @@ def test_stream_disconnect_aborts_the_request(server):
     while eng.load()["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert eng.load()["running"] == 0
+
+
+def test_client_speaks_to_sglang_shaped_answers():
+    """An SGLang 0.5-like server: sparse model info, GET-only flush, 400 with `message`."""
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        path = request.url.path
+        if path == "/get_model_info":
+            return httpx.Response(200, json={"model_path": "/m", "is_generation": True})
+        if path == "/get_server_info":
+            return httpx.Response(200, json={"context_length": 4096, "version": "0.5.3"})
+        if path == "/flush_cache":
+            return httpx.Response(405 if request.method == "POST" else 200, text="ok")
+        if path == "/update_weights_from_disk":
+            return httpx.Response(400, json={"success": False, "message": "no such path"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def go():
+        async with EngineClient("http://sglang:30000", transport=httpx.MockTransport(handler)) as c:
+            info = await c.model_info()
+            await c.flush_cache()
+            with pytest.raises(EngineError) as upd:
+                await c.update_weights_from_disk("/nope", 3)
+            with pytest.raises(EngineError) as kv:
+                await c.export_kv([1, 2])
+            return info, upd.value, kv.value
+
+    info, upd, kv = run(go())
+    assert info["max_context_length"] == 4096
+    assert ("GET", "/flush_cache") in seen
+    assert upd.status == 400 and upd.server_message == "no such path"
+    assert kv.status == 404 and kv.server_message == "Not Found"

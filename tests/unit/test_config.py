@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from flows.config import PRESETS, ConfigError, RunConfig, load_config
+
+
+def test_defaults_and_presets():
+    assert load_config() == RunConfig()
+    tiny = load_config(preset="tiny")
+    assert tiny.train.steps == PRESETS["tiny"]["train"]["steps"]
+    assert load_config(preset="demo").rollout.summarize_every == 2
+
+
+def test_file_then_store_then_overrides(tmp_path: Path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 5\n  lr: 0.01\nstore: /from/file\n")
+    cfg = load_config(
+        config_file=f,
+        preset="tiny",
+        store="/from/flag",
+        overrides=["train.steps=7", "rollout.temperature=0.5"],
+    )
+    assert (cfg.train.steps, cfg.train.lr, cfg.store) == (7, 0.01, "/from/flag")
+    assert cfg.rollout.temperature == 0.5
+
+
+def test_every_error_reported_at_once_with_key_value_and_fix():
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides=["train.stepz=3", "rollout.group_size=0", "train.loss=sgd", "oops"])
+    msg = str(ei.value)
+    assert len(ei.value.problems) == 2  # unknown keys are reported before value checks
+    assert "train.stepz=3" in msg and "did you mean 'train.steps'" in msg
+    assert "'oops'" in msg and "key=value" in msg
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides=["rollout.group_size=0", "train.loss=sgd"])
+    msg = str(ei.value)
+    assert "rollout.group_size=0" in msg and "greater than or equal to 1" in msg
+    assert "train.loss='sgd'" in msg and "ppo_clip" in msg
+
+
+def test_unknown_preset_and_unreadable_file(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        load_config(preset="huge", config_file=tmp_path / "missing.yaml")
+    assert len(ei.value.problems) == 2
+    assert "unknown preset" in str(ei.value) and "cannot read" in str(ei.value)
+
+
+def test_model_path_must_exist():
+    with pytest.raises(ConfigError, match=r"model\.path"):
+        load_config(overrides=["model.path=/nope/nothing"])
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):  # noqa: B017  (pydantic's frozen error type)
+        cfg.train.steps = 9  # type: ignore[misc]

@@ -246,6 +246,9 @@ class Engine:
                 [lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], out, strict=False)
             ]
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        matched = (req.finish_reason or {}).get("matched") if upto is None else None
+        if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]  # SGLang trims the stop string from `text`
         return {"text": text, "output_ids": out, "meta_info": meta}
 
     def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
@@ -645,7 +648,11 @@ class Engine:
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             reason = {"type": "stop", "matched": token}
-        elif (
+        elif p.stop and len(req.output_ids) >= p.min_new_tokens and self.tokenizer is not None:
+            matched = self._stop_string(req.output_ids, p.stop)
+            if matched is not None:
+                reason = {"type": "stop", "matched": matched}
+        if reason is None and (
             len(req.output_ids) >= p.max_new_tokens
             or len(req.input_ids) + len(req.output_ids) >= self.max_context
         ):
@@ -653,6 +660,16 @@ class Engine:
         if reason is None:
             req.notify()
         return reason
+
+    def _stop_string(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        """The stop string that the last token completed, if any (decodes a short tail)."""
+        window = 4 * max(len(x) for x in stops) + 4  # a char may take up to 4 byte tokens
+        tail = self.tokenizer.decode(output_ids[-window:])
+        before = self.tokenizer.decode(output_ids[-window:-1]) if len(output_ids) > 1 else ""
+        for s in stops:
+            if tail.count(s) > before.count(s):  # completed by this token
+                return s
+        return None
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason

@@ -17,19 +17,21 @@ import torch
 _IGNORED = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stop",
-    "n",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_p",
-    "json_schema",
-    "regex",
-    "ebnf",
     "custom_params",
     "stream_interval",
-    "logit_bias",
+}
+# Fields this engine does not implement: accepted only at their neutral value, rejected (400)
+# otherwise, so a request never silently gets something other than what it asked for.
+_NEUTRAL = {
+    "n": 1,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "logit_bias": None,
 }
 
 
@@ -41,6 +43,8 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: no top-k
     min_new_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded output
+    no_stop_trim: bool = False  # keep the matched stop string in `text`
     ignore_eos: bool = False
     sampling_seed: int | None = None
 
@@ -54,6 +58,13 @@ class SamplingParams:
         errors, kw = [], {}
         for key, value in d.items():
             if key in _IGNORED or value is None:
+                continue
+            if key in _NEUTRAL:
+                if value != _NEUTRAL[key] and value not in ({}, []):
+                    errors.append(
+                        f"{key}={value!r} is not supported by the embedded engine "
+                        f"(only {_NEUTRAL[key]!r})"
+                    )
                 continue
             if key not in cls.__dataclass_fields__:
                 errors.append(f"unknown sampling param {key!r}")
@@ -104,7 +115,12 @@ def _coerce(key: str, value):
         if not isinstance(value, list | tuple):
             raise TypeError("must be a list of token ids")
         return frozenset(num(t, int) for t in value)
-    if key == "ignore_eos":
+    if key == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list | tuple) or not all(isinstance(x, str) for x in stops):
+            raise TypeError("must be a string or a list of strings")
+        return tuple(x for x in stops if x)
+    if key in ("ignore_eos", "no_stop_trim"):
         if not isinstance(value, bool):
             raise TypeError("must be true or false")
         return value

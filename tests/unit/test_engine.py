@@ -172,6 +172,36 @@ def test_stop_token_and_eos(engine):
     assert real_eos[0] == engine.tokenizer.eos_token_id  # <|im_end|> is the real one
 
 
+def test_stop_strings(engine):
+    p = prompt_of(16, start=6)
+    free = engine.generate(p, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    ids, tok = free["output_ids"], engine.tokenizer
+    # a stop string spanning the boundary between output tokens 5 and 6
+    left, right = tok.decode(ids[:6]), tok.decode(ids[:7])
+    stop = left[-2:] + right[len(left) : len(left) + 1]
+    assert len(stop) == 3
+    res = engine.generate(
+        p, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    )
+    n = next(k for k in range(1, 17) if stop in tok.decode(ids[:k]))
+    assert res["output_ids"] == ids[:n]
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    full = tok.decode(ids[:n])
+    assert res["text"] == full[: full.index(stop)]  # trimmed, as SGLang does
+    kept = engine.generate(
+        p, {"max_new_tokens": 16, "temperature": 0, "stop": stop, "no_stop_trim": True}
+    )
+    assert kept["text"] == full
+
+
+def test_unsupported_params_are_rejected_not_ignored(engine):
+    for bad in ({"n": 2}, {"frequency_penalty": 0.5}, {"regex": "a+"}, {"stop": 5}):
+        with pytest.raises(EngineInputError):
+            engine.submit([1, 2, 3], bad)
+    ok = {"n": 1, "frequency_penalty": 0.0, "skip_special_tokens": False, "regex": None}
+    assert engine.generate([1, 2, 3], ok | {"max_new_tokens": 2})["output_ids"]
+
+
 def test_invalid_input_is_rejected(engine):
     with pytest.raises(EngineInputError):
         engine.submit([1, engine.vocab_size], {})

@@ -109,8 +109,9 @@ class Engine:
     ):
         """Load `model_dir` and start the scheduler thread.
 
-        `torch_threads`: intra-op threads for torch (process-wide, `torch.set_num_threads`).
-        The default 1 is deliberate: a tiny model's matmuls gain nothing from more, and on a
+        `torch_threads`: intra-op threads of the scheduler thread (`torch.set_num_threads`
+        there; with torch's OpenMP backend other threads keep their own). The default 1 is
+        deliberate: a tiny model's matmuls gain nothing from more, and on a
         loaded 2-core machine OpenMP spinning made a 16-row decode step ~13x slower (63 ms vs
         4.7 ms). None leaves torch's setting alone.
         """
@@ -118,8 +119,7 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = dtype
         self.cell_id = cell_id
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
+        self._torch_threads = torch_threads
         self.max_batch_size = max_batch_size
         self.model, self.tokenizer = self._load(self.model_dir)
         cfg = self.model.config.get_text_config(decoder=True)
@@ -454,6 +454,9 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self._torch_threads is not None:
+            # OpenMP's thread count is per calling thread: this sets the scheduler's only
+            torch.set_num_threads(self._torch_threads)
         while True:
             with self._wake:
                 while (

@@ -4,7 +4,7 @@
 
 Figures (issue 3 targets):
 - ``batched_over_serial_16``: throughput of 16 concurrent sessions over serving the same 16
-  one by one (target >= 4).
+  one by one (target >= 4); median of alternated runs.
 - ``kv_move_over_prefill_8k``: time to move an 8K-token context's KV to another engine
   (export + import + a short generate) over a re-prefill of it there (the same short
   generate on a cold cache); median over repeats, alternated (target <= 0.2).
@@ -39,27 +39,33 @@ def _prompt(n: int, salt: int) -> list[int]:
 
 def bench_batching(model_dir: str, quick: bool) -> tuple[dict, dict]:
     sessions, prompt_len, new = 16, 128, (32 if quick else 96)
+    repeats = 1 if quick else 3
     prompts = [_prompt(prompt_len, s) for s in range(sessions)]
     params = [
         {"max_new_tokens": new, "temperature": 0.8, "sampling_seed": s, "ignore_eos": True}
         for s in range(sessions)
     ]
     eng = Engine(model_dir, max_batch_size=sessions)
+    serial_ts, batched_ts, same = [], [], True
     try:
         eng.generate(prompts[0], {"max_new_tokens": 4})  # warm-up
-        eng.flush_cache()
-        t0 = time.perf_counter()
-        serial = [eng.generate(p, sp)["output_ids"] for p, sp in zip(prompts, params, strict=True)]
-        t_serial = time.perf_counter() - t0
-        eng.flush_cache()
-        t0 = time.perf_counter()
-        reqs = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        for r in reqs:
-            r.done.wait()
-        t_batched = time.perf_counter() - t0
+        for _ in range(repeats):  # side by side, alternating
+            eng.flush_cache()
+            t0 = time.perf_counter()
+            serial = [
+                eng.generate(p, sp)["output_ids"] for p, sp in zip(prompts, params, strict=True)
+            ]
+            serial_ts.append(time.perf_counter() - t0)
+            eng.flush_cache()
+            t0 = time.perf_counter()
+            reqs = [eng.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            for r in reqs:
+                r.done.wait()
+            batched_ts.append(time.perf_counter() - t0)
+            same &= all(r.output_ids == s for r, s in zip(reqs, serial, strict=True))
     finally:
         eng.close()
-    same = all(r.output_ids == s for r, s in zip(reqs, serial, strict=True))
+    t_serial, t_batched = statistics.median(serial_ts), statistics.median(batched_ts)
     tokens = sessions * new
     return (
         {"batched_over_serial_16": t_serial / t_batched},

@@ -14,6 +14,9 @@ What it does (DESIGN.md §5, issue 3):
 - **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
   the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
   depend on what else is in the batch.
+- **Memory**: ``kv_cache_tokens`` bounds the radix cache; the running batch holds its own
+  copy of each running request's KV (at most ``max_batch_size`` rows, left-padded to the
+  longest), which the budget does not count.
 - **Control**: abort by rid prefix, pause (abort | retract | in_place) / continue, hot weight
   reload at a step boundary, cache flush, KV export/import of a token prefix
   (`infra.kv_transfer`).
@@ -156,11 +159,13 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ loading
-    def _load(self, path: str):
+    def _load(self, path: str, *, with_tokenizer: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         model.to(self.device).eval()
+        if not with_tokenizer:
+            return model, None
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception:  # a bare weights dir (e.g. a trainer checkpoint) is still servable
@@ -293,7 +298,7 @@ class Engine:
         Returns ``{"success": bool, "message": str}``.
         """
         try:
-            model, _ = self._load(model_path)
+            model, _ = self._load(model_path, with_tokenizer=False)
         except Exception as e:  # report, never crash the server
             return {"success": False, "message": f"failed to load {model_path}: {e}"}
         cfg = model.config.get_text_config(decoder=True)

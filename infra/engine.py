@@ -270,6 +270,13 @@ class Engine:
             self._kick()
         return n
 
+    def cancel(self, req: Request, message: str = "cancelled") -> None:
+        """Abort exactly `req` (not every rid it prefixes, unlike `abort`)."""
+        if req.finish_reason is None:
+            req.aborted = message
+            self._commands.put((lambda: None, Future()))
+            self._kick()
+
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating at the next step boundary.
 

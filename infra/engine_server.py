@@ -89,7 +89,11 @@ def build_app(engine: Engine) -> Starlette:
         )
         if not stream:
             while not req.done.is_set():
-                await updates.get()
+                try:
+                    await asyncio.wait_for(updates.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():  # nobody will read the answer
+                        engine.cancel(req, "client disconnected")
             return JSONResponse(engine.response(req))
 
         async def events():
@@ -108,8 +112,7 @@ def build_app(engine: Engine) -> Starlette:
                 yield "data: [DONE]\n\n"
             finally:
                 if not req.done.is_set():  # client went away: stop generating for it
-                    req.aborted = "client disconnected"
-                    engine.abort(req.rid)
+                    engine.cancel(req, "client disconnected")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -244,3 +244,18 @@ def test_client_speaks_to_sglang_shaped_answers():
     assert ("GET", "/flush_cache") in seen
     assert upd.status == 400 and upd.server_message == "no such path"
     assert kv.status == 404 and kv.server_message == "Not Found"
+
+
+def test_plain_request_disconnect_aborts_the_request(server):
+    url, eng = server
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 20000, "temperature": 0, "ignore_eos": True},
+        "rid": "hangup-0001",
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/generate", json=body, timeout=1.0)
+    deadline = time.monotonic() + 8  # the server notices within ~1 s; 20000 tokens take minutes
+    while eng.load()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.load()["running"] == 0

@@ -82,7 +82,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _run_level(paths: dict, ids: list[int], conc: int, rounds: int, warm: int) -> dict:
+async def _run_level(
+    paths: dict, ids: list[int], conc: int, rounds: int, warm: int, blocks: int = 2
+) -> dict:
     """Each path's latencies at ``conc`` concurrent sessions, paths interleaved in blocks."""
     import httpx
 
@@ -115,9 +117,9 @@ async def _run_level(paths: dict, ids: list[int], conc: int, rounds: int, warm: 
                 await one(name, w, i >= 0)
 
         order = list(paths)
-        for block in range(2):  # alternate so that drift hits every path alike
-            for name in order if block == 0 else order[::-1]:
-                await asyncio.gather(*(worker(name, w, rounds // 2) for w in range(conc)))
+        for block in range(blocks):  # alternate so that drift hits every path alike
+            for name in order if block % 2 == 0 else order[::-1]:
+                await asyncio.gather(*(worker(name, w, rounds // blocks) for w in range(conc)))
     out = {}
     d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
     for name in paths:
@@ -215,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     from infra.chat import ChatTokenizer
     from infra.tiny_model import make_tiny_model
 
-    rounds = args.rounds or (8 if args.quick else 40)
+    rounds = args.rounds or (2 if args.quick else 40)
+    warm = 1 if args.quick else 2
+    blocks = 1 if args.quick else 2
     model = make_tiny_model()
     tok = ChatTokenizer(model)
     ids = tok.encode(tok.render([{"role": "user", "content": "Say one word."}], None, True))
@@ -224,10 +228,13 @@ def main(argv: list[str] | None = None) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
     procs: list[subprocess.Popen] = []
 
-    def child(*extra: str) -> str:
+    def spawn(*extra: str) -> subprocess.Popen:
         p = subprocess.Popen([*me, *extra], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
         procs.append(p)
+        return p
+
+    def url_of(p: subprocess.Popen) -> str:
         url = p.stdout.readline().strip()
         _wait_http(url, p)
         return url
@@ -240,20 +247,24 @@ def main(argv: list[str] | None = None) -> dict:
         ]
 
     try:
-        engine_url = child("--serve-engine", "--model", model)
+        engine_url = url_of(spawn("--serve-engine", "--model", model))
         paths = {"direct": (engine_url, None)}
-        for name, extra in (("gateway", ()), ("gateway_nofsync", ("--no-fsync",))):
-            url = child("--serve-gateway", "--engine", engine_url, "--model", model,
-                        "--store", f"{tmp}/{name}/store", "--spool", f"{tmp}/{name}/spool", *extra)  # fmt: skip
+        gws = {
+            name: spawn("--serve-gateway", "--engine", engine_url, "--model", model,
+                        "--store", f"{tmp}/{name}/store", "--spool", f"{tmp}/{name}/spool", *extra)
+            for name, extra in (("gateway", ()), ("gateway_nofsync", ("--no-fsync",)))
+        }  # fmt: skip
+        for name, p in gws.items():  # both start at once
+            url = url_of(p)
             paths[name] = (url, keys_of(url))
         results = {}
         for c in LEVELS:
             cpu0 = {n: _loop_cpu(u) for n, (u, k) in paths.items() if k is not None}
-            results[c] = asyncio.run(_run_level(paths, ids, c, rounds, warm=2))
+            results[c] = asyncio.run(_run_level(paths, ids, c, rounds, warm, blocks))
             for n, (u, k) in paths.items():  # the gateway loop thread's CPU per call
                 if k is not None:
                     sfx = n.removeprefix("gateway")
-                    calls = c * (rounds // 2 * 2 + 2 * 2)
+                    calls = c * (rounds // blocks + warm) * blocks
                     results[c][f"cpu{sfx}_per_call_ms"] = 1e3 * (_loop_cpu(u) - cpu0[n]) / calls
         auth = {"Authorization": f"Bearer {ADMIN}"}
         stats = httpx.get(paths["gateway"][0] + "/gyre/stats", headers=auth).json()

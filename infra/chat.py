@@ -13,10 +13,7 @@ earlier call (delta-encoded like its TITO record) and, for a new chat call:
   templated; the record shares the longest common token prefix with the best earlier call.
 
 Parent selection for every call (chat, completions, generate): the earlier call of the session
-whose input + output shares the longest token prefix with the new input. Contexts are indexed
-by chained hashes of fixed-size chunks (``CHUNK`` tokens), so a lookup hashes the new input
-once (reusing the hint parent's hashes) and compares at most one chunk per candidate, whatever
-the number of calls (hundreds) and the context length (~1M tokens).
+whose input + output shares the longest token prefix with the new input (`infra.call_index`).
 
 Pure module apart from loading the tokenizer: no HTTP, no event loop.
 """
@@ -27,13 +24,26 @@ import hashlib
 import json
 import re
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from tasks.tito import common_prefix_len
+from infra.call_index import CHUNK, ChatInput, SessionCalls, digest
+
+__all__ = [
+    "CHUNK",
+    "ChatInput",
+    "ChatInputError",
+    "ChatTokenizer",
+    "SessionCalls",
+    "apply_stop",
+    "build_chat_input",
+    "build_token_input",
+    "digest",
+    "normalize_messages",
+    "parse_output",
+    "reply_key",
+]
 
 try:
     import orjson
@@ -46,8 +56,6 @@ except ImportError:  # pragma: no cover
         return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-CHUNK = 256  # tokens per hashed chunk of the context index
-_H = 8  # digest bytes
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -245,10 +253,6 @@ def reply_key(content: str | None, tool_calls: list[dict] | None) -> bytes:
     return _canon(d)
 
 
-def digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
 def _chain(prev: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(prev + data, digest_size=16).digest()
 
@@ -315,235 +319,21 @@ def apply_stop(text: str, stops: list[str]) -> int | None:
     return best
 
 
-# -- per-session call index ------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class CallState:
-    request_id: str
-    seq_no: int
-    parent: str | None
-    prefix_len: int
-    own: np.ndarray  # new_input_ids + output_ids (int32): the tokens this call adds
-    input_len: int
-    output_len: int
-    ended_im_end: bool
-    hashes: bytes  # chained digests of the context's full chunks
-    head: np.ndarray  # first CHUNK tokens of the context
-
-    @property
-    def context_len(self) -> int:
-        return self.input_len + self.output_len
-
-
-@dataclass
-class ChatInput:
-    """What a call sends: full input ids, and its delta encoding against the chosen parent."""
-
-    input_ids: np.ndarray
-    parent_request_id: str | None
-    prefix_len: int
-    mode: str  # extend | branch | tokens
-    msg_key: bytes | None = None
-    hashes: bytes = b""
-    info: dict = field(default_factory=dict)
-
-    @property
-    def new_input_ids(self) -> np.ndarray:
-        return self.input_ids[self.prefix_len :]
-
-
-def chunk_hashes(ids: np.ndarray, start_chunk: int = 0, prev: bytes = b"") -> bytes:
-    """Chained digests of ids' full CHUNK-token chunks from ``start_chunk`` (prev = digests before)."""
-    out = [prev]
-    h = prev[-_H:] if prev else b"root"
-    n_full = len(ids) // CHUNK
-    for j in range(start_chunk, n_full):
-        h = hashlib.blake2b(h + ids[j * CHUNK : (j + 1) * CHUNK].tobytes(), digest_size=_H).digest()
-        out.append(h)
-    return b"".join(out)
-
-
-class SessionCalls:
-    """Every earlier call of one session, delta-encoded, with prefix and message indexes."""
-
-    def __init__(self, ctx_cache: int = 4):
-        self.calls: dict[str, CallState] = {}
-        self._by_chunk: dict[bytes, list[str]] = {}
-        self._by_reply: dict[tuple[bytes, bytes], str] = {}
-        self._ctx: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._ctx_cap = ctx_cache
-        self._heads = np.full((0, CHUNK), -1, dtype=np.int32)  # first CHUNK tokens per call
-        self._head_rids: list[str] = []
-
-    def __len__(self) -> int:
-        return len(self.calls)
-
-    # -- contexts --------------------------------------------------------------------------
-    def context(self, rid: str) -> np.ndarray:
-        """Full input + output of an earlier call (int32), rebuilt from deltas if not cached."""
-        got = self._ctx.get(rid)
-        if got is not None:
-            self._ctx.move_to_end(rid)
-            return got
-        parts: list[np.ndarray] = []
-        cur: str | None = rid
-        need = self.calls[rid].context_len
-        while cur is not None:
-            c = self.calls[cur]
-            cached = self._ctx.get(cur)
-            if cached is not None:
-                parts.append(cached[:need])
-                break
-            parts.append(c.own[: max(0, need - c.prefix_len)])
-            need = min(need, c.prefix_len)
-            cur = c.parent if need > 0 else None
-        ctx = np.concatenate(parts[::-1]) if len(parts) > 1 else parts[0]
-        self._remember(rid, ctx)
-        return ctx
-
-    def _remember(self, rid: str, ctx: np.ndarray) -> None:
-        self._ctx[rid] = ctx
-        self._ctx.move_to_end(rid)
-        while len(self._ctx) > self._ctx_cap:
-            self._ctx.popitem(last=False)
-
-    def _slice(self, rid: str, a: int, b: int) -> np.ndarray:
-        """context(rid)[a:b] without rebuilding the whole context."""
-        got = self._ctx.get(rid)
-        if got is not None:
-            return got[a:b]
-        c = self.calls[rid]
-        b = min(b, c.context_len)
-        if b <= a:
-            return np.zeros(0, dtype=np.int32)
-        if b <= CHUNK:
-            return c.head[a:b]
-        if a >= c.prefix_len:
-            return c.own[a - c.prefix_len : b - c.prefix_len]
-        left = self._slice(c.parent, a, min(b, c.prefix_len)) if c.parent else np.zeros(0, np.int32)
-        if b <= c.prefix_len:
-            return left
-        return np.concatenate([left, c.own[: b - c.prefix_len]])
-
-    # -- lookups ---------------------------------------------------------------------------
-    def find_by_reply(self, keys: list[bytes], messages: list[dict]) -> tuple[str, int] | None:
-        """(call, k): the latest k where messages[:k] + messages[k] (assistant) = an earlier
-        call's messages + reply."""
-        for k in range(len(messages) - 1, -1, -1):
-            if messages[k].get("role") != "assistant":
-                continue
-            rid = self._by_reply.get((keys[k], digest(message_key(messages[k]))))
-            if rid is not None:
-                return rid, k
-        return None
-
-    def find_parent(
-        self, ids: np.ndarray, *, hint: str | None = None
-    ) -> tuple[str | None, int, bytes]:
-        """(parent rid, shared prefix length, ids' chunk hashes): longest prefix over all calls."""
-        if hint is not None and hint in self.calls:
-            c = self.calls[hint]
-            m = min(len(c.hashes) // _H, c.context_len // CHUNK, len(ids) // CHUNK)
-            hashes = chunk_hashes(ids, m, c.hashes[: m * _H])
-        else:
-            hashes = chunk_hashes(ids)
-        if not self.calls:
-            return None, 0, hashes
-        n = len(hashes) // _H
-        lo, hi = 0, n  # largest j with hashes[j-1] known (monotone: a prefix of a prefix)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[(mid - 1) * _H : mid * _H] in self._by_chunk:
-                lo = mid
-            else:
-                hi = mid - 1
-        j = lo
-        base = j * CHUNK
-        want = ids[base : base + CHUNK]
-        if j == 0:  # no full chunk shared: one vectorised compare against every call's head
-            heads = self._heads[: len(self._head_rids), : len(want)]
-            eq = heads == want
-            k_rows = np.where(eq.all(axis=1), len(want), eq.argmin(axis=1))
-            best_k = int(k_rows.max()) if len(k_rows) else 0
-            if best_k == 0:
-                return None, 0, hashes
-            return self._head_rids[int(np.flatnonzero(k_rows == best_k)[-1])], best_k, hashes
-        cands = self._by_chunk[hashes[(j - 1) * _H : j * _H]]
-        best, best_k, best_seq = None, -1, -1
-        for rid in cands:
-            k = base + common_prefix_len(want, self._slice(rid, base, base + CHUNK))
-            seq = self.calls[rid].seq_no
-            if k > best_k or (k == best_k and seq > best_seq):
-                best, best_k, best_seq = rid, k, seq
-        if best is None or best_k == 0:
-            return None, 0, hashes
-        return best, best_k, hashes
-
-    # -- recording -------------------------------------------------------------------------
-    def add(
-        self,
-        request_id: str,
-        seq_no: int,
-        inp: ChatInput,
-        output_ids: np.ndarray,
-        *,
-        reply: bytes | None = None,
-        im_end_id: int | None = None,
-        reply_digest: bytes | None = None,
-    ) -> CallState:
-        """Remember a finished call (after its TITO record is durable).
-
-        ``reply`` is ``reply_key(...)`` of what the gateway answered (or pass its
-        ``digest`` as ``reply_digest``, e.g. when restoring from a journal)."""
-        ids = inp.input_ids
-        out = np.asarray(output_ids, dtype=np.int32)
-        n_in = len(ids)
-        m = len(inp.hashes) // _H
-        if m * CHUNK != n_in - n_in % CHUNK or m == 0:
-            hashes_in = chunk_hashes(ids)
-            m = len(hashes_in) // _H
-        else:
-            hashes_in = inp.hashes
-        tail = np.concatenate([ids[m * CHUNK :], out])
-        extra = chunk_hashes(tail, 0, hashes_in[-_H:] if m else b"")
-        hashes = hashes_in + extra[_H if m else 0 :]
-        ctx_head = np.concatenate([ids[:CHUNK], out[: max(0, CHUNK - n_in)]])
-        c = CallState(
-            request_id=request_id,
-            seq_no=seq_no,
-            parent=inp.parent_request_id,
-            prefix_len=inp.prefix_len,
-            own=np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False),
-            input_len=n_in,
-            output_len=len(out),
-            ended_im_end=bool(len(out) and im_end_id is not None and int(out[-1]) == im_end_id),
-            hashes=hashes,
-            head=ctx_head,
-        )
-        self.calls[request_id] = c
-        n = len(self._head_rids)
-        if n == len(self._heads):
-            grown = np.full((max(16, 2 * n), CHUNK), -1, dtype=np.int32)
-            grown[:n] = self._heads
-            self._heads = grown
-        self._heads[n, : len(ctx_head)] = ctx_head
-        self._head_rids.append(request_id)
-        # Chunks fully inside the parent's shared prefix (and the one after) are already
-        # represented by an ancestor with the same tokens there: register only the rest, so
-        # that recording a call costs O(new tokens), not O(context).
-        first = max(0, inp.prefix_len // CHUNK - 1) if inp.parent_request_id else 0
-        for j in range(first, len(hashes) // _H):
-            self._by_chunk.setdefault(hashes[j * _H : (j + 1) * _H], []).append(request_id)
-        if reply is not None:
-            reply_digest = digest(reply)
-        if inp.msg_key is not None and reply_digest is not None:
-            self._by_reply[(inp.msg_key, reply_digest)] = request_id
-        self._remember(request_id, np.concatenate([ids, out]))
-        return c
-
-
 # -- building inputs -------------------------------------------------------------------------
+
+
+def find_by_reply(
+    calls: SessionCalls, keys: list[bytes], messages: list[dict]
+) -> tuple[str, int] | None:
+    """(call, k): the latest k where messages[:k] + messages[k] (assistant) = an earlier call's
+    messages + its reply as the gateway returned it."""
+    for k in range(len(messages) - 1, -1, -1):
+        if messages[k].get("role") != "assistant":
+            continue
+        rid = calls.by_reply(keys[k], digest(message_key(messages[k])))
+        if rid is not None:
+            return rid, k
+    return None
 
 
 def build_chat_input(
@@ -554,7 +344,7 @@ def build_chat_input(
     ids: np.ndarray | None = None
     hint = None
     mode = "branch"
-    found = calls.find_by_reply(keys, messages)
+    found = find_by_reply(calls, keys, messages)
     if found is not None:
         rid, k = found
         c = calls.calls[rid]

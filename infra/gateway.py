@@ -37,10 +37,10 @@ from infra.chat import ChatInput, ChatTokenizer, SessionCalls, apply_stop, diges
 from infra.engine_client import EngineError
 from infra.openai_api import ApiError, GenParams
 from infra.router import EngineHandle, NoEngineError, Router
-from infra.sessions import Session, SessionTable
+from infra.sessions import Session, SessionTable, read_key_journal, restore_calls
 from storage.store import Store
 from storage.tito_log import TitoLog, table_to_records
-from tasks.tito import TitoRecord, reconstruct_inputs
+from tasks.tito import TitoRecord
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class Gateway:
         self.sessions = SessionTable(os.path.join(self.spool_dir, "sessions.jsonl"))
         self._restore_pending = {s.session_id for s in self.sessions.all()}
         self._restore_table = None
+        self._restore_keys: dict = {}
         self._keys_path = os.path.join(self.spool_dir, "chatkeys.bin")
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
         self.router = Router()
@@ -507,45 +508,16 @@ class Gateway:
         s.tokens += len(inp.new_input_ids) + len(res.output_ids)
 
     def _restore(self, s: Session) -> None:
-        """Rebuild a journaled session's call index from its TITO records and message keys."""
+        """Rebuild a journaled session's call index from the store (after a restart)."""
         if self._restore_table is None:  # read once for all journaled sessions
             self._restore_table = self.store.read("tito")
+            self._restore_keys = read_key_journal(self._keys_path)
         table = self._restore_table
         mask = pc.and_(
             pc.equal(table["session_id"], s.session_id), pc.equal(table["run_id"], self.run_id)
         )
-        recs = table_to_records(table.filter(mask))
-        if not recs:
-            return
-        keys: dict[str, tuple[bytes, bytes]] = {}
-        try:
-            with open(self._keys_path, "rb") as fh:
-                for line in fh:
-                    parts = line.rstrip(b"\n").split(b" ")
-                    if len(parts) == 4 and parts[0].decode() == s.session_id:
-                        keys[parts[1].decode()] = (
-                            bytes.fromhex(parts[2].decode()),
-                            bytes.fromhex(parts[3].decode()),
-                        )
-        except (OSError, ValueError):
-            keys = {}
-        full = reconstruct_inputs(recs)
-        for r in sorted(recs, key=lambda r: r.seq_no):
-            mk, rk = keys.get(r.request_id, (None, None))
-            inp = ChatInput(
-                full[r.request_id], r.parent_request_id, r.prefix_len, "restored", msg_key=mk
-            )
-            s.calls.add(
-                r.request_id,
-                r.seq_no,
-                inp,
-                np.asarray(r.output_ids, dtype=np.int32),
-                reply_digest=rk,
-                im_end_id=self.tok.im_end_id,
-            )
-            s.last_request_id = r.request_id
-        s.seq = max(s.seq, max(r.seq_no for r in recs) + 1)
-        s.tokens = sum(len(r.new_input_ids) + len(r.output_ids) for r in recs)
+        keys = self._restore_keys.get(s.session_id, {})
+        restore_calls(s, table_to_records(table.filter(mask)), keys, self.tok.im_end_id)
 
     def stats(self) -> dict:
         """Flat metrics; ``gateway/loop_cpu_s`` is the event-loop thread's CPU time when called

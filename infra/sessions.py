@@ -17,7 +17,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.chat import SessionCalls
+import numpy as np
+
+from infra.call_index import ChatInput, SessionCalls
+from tasks.tito import TitoRecord, reconstruct_inputs
 
 
 @dataclass(eq=False)
@@ -110,3 +113,46 @@ class SessionTable:
 
     def all(self) -> list[Session]:
         return list(self._by_id.values())
+
+
+# -- restart: rebuilding a session's call index --------------------------------------------
+
+
+def read_key_journal(path: str) -> dict[str, dict[str, tuple[bytes, bytes]]]:
+    """session -> request -> (messages key, reply digest), from the gateway's key journal
+    (lines ``session request msgkey-hex replydigest-hex``; a torn last line is skipped)."""
+    out: dict[str, dict[str, tuple[bytes, bytes]]] = {}
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                parts = line.rstrip(b"\n").split(b" ")
+                if len(parts) != 4:
+                    continue
+                try:
+                    keys = (bytes.fromhex(parts[2].decode()), bytes.fromhex(parts[3].decode()))
+                except ValueError:
+                    continue
+                out.setdefault(parts[0].decode(), {})[parts[1].decode()] = keys
+    except OSError:
+        pass
+    return out
+
+
+def restore_calls(
+    s: Session, records: list[TitoRecord], keys: dict[str, tuple[bytes, bytes]], im_end_id: int
+) -> None:
+    """Refill ``s.calls`` from the session's TITO records (and message keys, so that the next
+    chat turn extends the last call exactly as before the restart)."""
+    if not records:
+        return
+    full = reconstruct_inputs(records)
+    for r in sorted(records, key=lambda r: r.seq_no):
+        mk, rk = keys.get(r.request_id, (None, None))
+        inp = ChatInput(
+            full[r.request_id], r.parent_request_id, r.prefix_len, "restored", msg_key=mk
+        )
+        out = np.asarray(r.output_ids, dtype=np.int32)
+        s.calls.add(r.request_id, r.seq_no, inp, out, reply_digest=rk, im_end_id=im_end_id)
+        s.last_request_id = r.request_id
+    s.seq = max(s.seq, max(r.seq_no for r in records) + 1)
+    s.tokens = sum(len(r.new_input_ids) + len(r.output_ids) for r in records)

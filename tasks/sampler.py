@@ -204,9 +204,14 @@ def build_samples(
     stale_mode: str = "drop",
     eps: float = 1e-6,
     prune: bool = True,
+    layout: str = "tree",
 ) -> list[Sample]:
     """One ``Sample`` per session tree (sub-agent trees take their root session's
     reward, group and advantage unless given their own).
+
+    ``layout="flat"`` gives the baseline instead: one chain sample per branch
+    (``parent_idx = i - 1``), weights ``A_b`` on its policy tokens; the same
+    branches, advantages and normaliser as the tree layout.
 
     ``rewards`` maps a (root) session id to its rollout reward; every rollout of a
     group should be there, including those with no tree, since they shape the
@@ -221,6 +226,8 @@ def build_samples(
         errors.append(
             "max_staleness is set but current_version is None: pass the trainer's version"
         )
+    if layout not in ("tree", "flat"):
+        errors.append(f"layout={layout!r}: use 'tree' or 'flat'")
     if estimator == "per_subtask" and scores is None:
         errors.append("estimator='per_subtask' needs scores=[Score, ...]")
     if errors:
@@ -251,12 +258,11 @@ def build_samples(
         own = owner(sid)
         session_adv = float(rewards[own]) if estimator == "reward" else adv[own]
         terms = sub.get(own) if sub is not None and own == sid else None
-        if (
-            sub is not None and own != sid
-        ):  # sub-agent tree: full credit for its rollout's sub-tasks
+        if sub is not None and own != sid:
+            # a sub-agent tree gets full credit for its rollout's sub-tasks
             session_adv = sum(t for _, t in sub.get(own, []))
-        out.append(
-            _tree_sample(
+        out.extend(
+            _samples(
                 tree,
                 session_adv,
                 terms,
@@ -266,12 +272,13 @@ def build_samples(
                 reward=float(rewards[own]),
                 min_version=min_version if stale_mode == "drop" else None,
                 prune=prune,
+                flat=layout == "flat",
             )
         )
     return out
 
 
-def _tree_sample(
+def _samples(
     tree: TrajectoryTree,
     session_adv: float,
     subtask_terms: list[tuple[str | None, float]] | None,
@@ -282,7 +289,8 @@ def _tree_sample(
     reward: float,
     min_version: int | None,
     prune: bool,
-) -> Sample:
+    flat: bool,
+) -> list[Sample]:
     ft = tree.flatten()
     leaves = tree.leaves()
     m = len(ft.node_offset)
@@ -313,6 +321,12 @@ def _tree_sample(
     n_flat_trainable = int((tok_cnt * trainable).sum())
     n_flat_tokens = sum(tree.context_len(r) for r in leaves)
     blp = np.where(ft.provenance == POLICY, np.nan_to_num(ft.logprobs.astype(np.float64)), 0.0)
+    meta = {"run_id": run_id, "session_id": tree.session_id, "group_id": group_id, "step": step}
+    if flat:
+        return [
+            _branch_sample(ft, ft.ends[rid], ab, trainable, blp, prune, meta, rid, reward)
+            for rid, ab in zip(leaves, a.tolist(), strict=True)
+        ]
     token_ids, parent_idx, positions, versions = (
         ft.token_ids,
         ft.parent_idx,
@@ -328,24 +342,68 @@ def _tree_sample(
             ]
             token_ids, positions, versions = token_ids[keep], positions[keep], versions[keep]
             wp, wn, blp, trainable = wp[keep], wn[keep], blp[keep], trainable[keep]
+    return [
+        Sample(
+            **meta,
+            sample_id=f"{run_id}/{step}/{tree.session_id}",
+            token_ids=token_ids.astype(np.int32),
+            parent_idx=parent_idx.astype(np.int32),
+            positions=positions.astype(np.int32),
+            weight_pos=wp,
+            weight_neg=wn,
+            behaviour_logprobs=blp,
+            versions=versions.astype(np.int64),
+            n_tokens=len(token_ids),
+            n_trainable=int(trainable.sum()),
+            n_flat_tokens=int(n_flat_tokens),
+            reward=reward,
+            n_flat_trainable=n_flat_trainable,
+        )
+    ]
+
+
+def _branch_sample(
+    ft: FlatTree,
+    end: int,
+    adv: float,
+    trainable: np.ndarray,
+    blp: np.ndarray,
+    prune: bool,
+    meta: dict[str, Any],
+    request_id: str,
+    reward: float,
+) -> Sample:
+    """The flat baseline for one branch: its path as a chain, weight ``adv`` per
+    trainable token (trailing tokens after the last trainable one cut if ``prune``)."""
+    path = np.concatenate(
+        [
+            np.arange(ft.node_offset[m], ft.node_offset[m] + ft.node_length[m])
+            for m in reversed(ft.path_nodes(end))
+        ]
+    )
+    n_flat = len(path)
+    train = trainable[path]
+    if prune:
+        last = np.flatnonzero(train)
+        path = path[: int(last[-1]) + 1 if last.size else 0]
+        train = train[: len(path)]
+    n = len(path)
+    w = np.where(train, adv, 0.0)
     return Sample(
-        run_id=run_id,
-        sample_id=f"{run_id}/{step}/{tree.session_id}",
-        session_id=tree.session_id,
-        group_id=group_id,
-        step=step,
-        token_ids=token_ids.astype(np.int32),
-        parent_idx=parent_idx.astype(np.int32),
-        positions=positions.astype(np.int32),
-        weight_pos=wp,
-        weight_neg=wn,
-        behaviour_logprobs=blp,
-        versions=versions.astype(np.int64),
-        n_tokens=len(token_ids),
-        n_trainable=int(trainable.sum()),
-        n_flat_tokens=int(n_flat_tokens),
+        **meta,
+        sample_id=f"{meta['run_id']}/{meta['step']}/{meta['session_id']}/{request_id}",
+        token_ids=ft.token_ids[path].astype(np.int32),
+        parent_idx=(np.arange(n) - 1).astype(np.int32),
+        positions=np.arange(n, dtype=np.int32),
+        weight_pos=np.maximum(w, 0.0),
+        weight_neg=np.minimum(w, 0.0),
+        behaviour_logprobs=blp[path],
+        versions=ft.versions[path],
+        n_tokens=n,
+        n_trainable=int(train.sum()),
+        n_flat_tokens=n_flat,
         reward=reward,
-        n_flat_trainable=n_flat_trainable,
+        n_flat_trainable=int(train.sum()),
     )
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tasks.tito import TitoRecord
+from tasks.tree_layout import FlatTree, flatten
 
 log = logging.getLogger(__name__)
 
@@ -109,45 +109,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-@dataclass
-class FlatTree:
-    """A tree laid out token by token in DFS preorder (parents before children).
-
-    Token arrays have shape (N,); node arrays have shape (M,), indexed by preorder
-    node index. ``parent_idx[i]`` is the token before ``i`` on its path (-1 at a
-    root); ``positions[i]`` is the depth of ``i`` (0 at a root).
-    """
-
-    token_ids: np.ndarray  # (N,) int32
-    parent_idx: np.ndarray  # (N,) int32
-    positions: np.ndarray  # (N,) int32
-    provenance: np.ndarray  # (N,) int8, codes into PROVENANCES
-    versions: np.ndarray  # (N,) int64, -1 for non-policy tokens
-    logprobs: np.ndarray  # (N,) float32, NaN for non-policy tokens
-    node_offset: np.ndarray  # (M,) first token index of each node
-    node_length: np.ndarray  # (M,)
-    node_parent: np.ndarray  # (M,) preorder index of the parent node, -1 under the root
-    node_size: np.ndarray  # (M,) number of nodes in the subtree (self included)
-    node_ids: np.ndarray  # (M,) internal Node.id
-    ends: dict[str, int]  # request id -> preorder index of the node its context ends in
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def is_ancestor_or_self(self, u: int, v: int) -> bool:
-        """Whether preorder node ``u`` lies on the path to preorder node ``v``."""
-        return u <= v < u + int(self.node_size[u])
-
-    def path_nodes(self, m: int) -> list[int]:
-        """Preorder indices of node ``m`` and its ancestors, root-most last."""
-        out = []
-        while m >= 0:
-            out.append(m)
-            m = int(self.node_parent[m])
-        return out
 
 
 class TrajectoryTree:
@@ -380,59 +341,12 @@ class TrajectoryTree:
         return [n.ends[0] for n in self.nodes() if not n.children and n.ends]
 
     def flatten(self) -> FlatTree:
-        """Token-level DFS-preorder layout of the whole tree (see ``FlatTree``)."""
-        nodes = self.nodes()
-        m = len(nodes)
-        pre = {n.id: i for i, n in enumerate(nodes)}
-        length = np.fromiter((len(n) for n in nodes), np.int64, m)
-        offset = np.zeros(m, np.int64)
-        if m:
-            np.cumsum(length[:-1], out=offset[1:])
-        node_parent = np.fromiter(
-            (pre[n.parent.id] if n.parent is not self.root else -1 for n in nodes), np.int64, m
-        )
-        starts = np.fromiter((n.start for n in nodes), np.int64, m)
-        n_tok = int(length.sum())
-        if m:
-            tokens = np.concatenate([n.tokens for n in nodes]).astype(np.int32)
-        else:
-            tokens = np.zeros(0, np.int32)
-        idx = np.arange(n_tok, dtype=np.int64)
-        parent_idx = idx - 1
-        first_parent = np.where(
-            node_parent >= 0,
-            offset[np.maximum(node_parent, 0)] + length[np.maximum(node_parent, 0)] - 1,
-            -1,
-        )
-        parent_idx[offset[length > 0]] = first_parent[length > 0]
-        positions = np.repeat(starts - offset, length) + idx
-        prov = np.repeat(np.fromiter((n.prov for n in nodes), np.int8, m), length)
-        versions = np.repeat(np.fromiter((n.version for n in nodes), np.int64, m), length)
-        lps = [
-            n.logprobs if n.logprobs is not None else np.full(len(n), np.nan, np.float32)
-            for n in nodes
-        ]
-        logprobs = np.concatenate(lps).astype(np.float32) if m else np.zeros(0, np.float32)
-        size = np.ones(m, np.int64)
-        for i in range(m - 1, -1, -1):
-            p = node_parent[i]
-            if p >= 0:
-                size[p] += size[i]
-        ends = {rid: pre[node.id] for rid, node in self._end.items()}
-        return FlatTree(
-            token_ids=tokens,
-            parent_idx=parent_idx.astype(np.int32),
-            positions=positions.astype(np.int32),
-            provenance=prov,
-            versions=versions,
-            logprobs=logprobs,
-            node_offset=offset,
-            node_length=length,
-            node_parent=node_parent,
-            node_size=size,
-            node_ids=np.fromiter((n.id for n in nodes), np.int64, m),
-            ends=ends,
-        )
+        """Token-level DFS-preorder layout of the whole tree (tasks/tree_layout.py)."""
+        return flatten(self)
+
+    def end_nodes(self) -> dict[str, Node]:
+        """Request id -> the node its context ends in (a copy)."""
+        return dict(self._end)
 
     def node_rows(
         self, run_id: str | None = None, scores_at: Mapping[str, float] | None = None

@@ -187,3 +187,18 @@ def test_weights_match_per_branch_reference(seed):
         if not extended:
             ends.setdefault(tree.end_node(r.request_id).id, r.request_id)
     assert sorted(ends.values()) == sorted(tree.leaves())
+
+
+def test_flat_layout_is_one_chain_per_branch():
+    flat = build_samples([small_tree()], {"s": 0.5}, estimator="reward", layout="flat")
+    got = {
+        s.sample_id.rsplit("/", 1)[1]: (s.token_ids.tolist(), s.weight_pos.tolist()) for s in flat
+    }
+    assert got == {
+        "b": ([1, 2, 5, 6], [0, 0, 0.5, 0.5]),
+        "d": ([1, 2, 3, 4, 7, 8], [0, 0, 0.5, 0.5, 0, 0.5]),  # trailing 9 cut
+    }
+    assert all(np.array_equal(s.parent_idx, np.arange(s.n_tokens) - 1) for s in flat)
+    (tree,) = build_samples([small_tree()], {"s": 0.5}, estimator="reward")
+    assert sum(s.n_flat_trainable for s in flat) == tree.n_flat_trainable
+    assert sum(s.n_flat_tokens for s in flat) == tree.n_flat_tokens

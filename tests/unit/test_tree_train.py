@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from tasks import tree_attention
 from tasks.packing import pack
 from tasks.sampler import Sample, build_samples, group_advantages
 from tasks.tito import TitoRecord
@@ -24,6 +25,15 @@ from tasks.tree import POLICY, build_trees
 from tasks.tree_synth import random_session, reference_paths
 
 VOCAB = 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster and steadier on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_model(dtype=torch.float64, seed=0):
@@ -100,15 +110,22 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def compare(model, samples, branches, cfg, max_tokens, min_version=None):
+def compare(model, samples, branches, cfg, max_tokens, min_version=None, attention="tree"):
     norm = float(sum(s.n_flat_trainable for s in samples))
     assert norm == sum(b.n_flat_trainable for b in branches)
     model.zero_grad(set_to_none=True)
     tm = tree_loss_and_grads(
-        model, samples, cfg=cfg, normalizer=norm, max_tokens=max_tokens, min_version=min_version
+        model,
+        samples,
+        cfg=cfg,
+        normalizer=norm,
+        max_tokens=max_tokens,
+        min_version=min_version,
+        attention=attention,
     )
     tg = grads(model)
     model.zero_grad(set_to_none=True)
+    model.set_attn_implementation("sdpa")  # the reference: the model's own causal SDPA
     fm = flat_loss_and_grads(model, branches, cfg=cfg, normalizer=norm, min_version=min_version)
     fg = grads(model)
     assert tg.keys() == fg.keys() and tg
@@ -132,11 +149,22 @@ def session(seed, sid, n_calls=10):
     return recs, spans
 
 
-@pytest.mark.parametrize("loss", ["ppo_clip", "grpo"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tree_equals_flat_fp64(loss, seed):
+@pytest.mark.parametrize(
+    ("loss", "seed", "attention"),
+    [
+        ("ppo_clip", 0, "tree"),
+        ("grpo", 0, "tree"),
+        ("ppo_clip", 1, "tree_block3"),
+        ("ppo_clip", 1, "dense"),
+        ("grpo", 2, "dense"),
+    ],
+)
+def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
     """Random branching sessions (shared prefixes, retries, resets, duplicates, tool
     spans) in one group: tree loss and every parameter gradient match flat."""
+    if attention == "tree_block3":  # long chains cut into query blocks of 3
+        monkeypatch.setattr(tree_attention, "BLOCK", 3)
+        attention = "tree"
     model = tiny_model(seed=seed)
     sessions = {f"s{i}": session(100 * seed + i, f"s{i}") for i in range(3)}
     n_dup = n_reset = n_tool = 0
@@ -164,7 +192,7 @@ def test_tree_equals_flat_fp64(loss, seed):
     max_tokens = (
         max(s.n_tokens for s in samples) // 2 + max(int(s.positions.max()) for s in samples) + 1
     )
-    dl, dg, scale, tm, _ = compare(model, samples, branches, cfg, max_tokens)
+    dl, dg, scale, tm, _ = compare(model, samples, branches, cfg, max_tokens, attention=attention)
     assert tm["micro_batches"] >= 2
     assert 0.05 < tm["clip_fraction"] < 0.95, (
         "ratios should fall both inside and outside the clip range"
@@ -172,6 +200,14 @@ def test_tree_equals_flat_fp64(loss, seed):
     assert dl <= 1e-12 and dg <= 1e-12, (dl, dg)
     assert scale > 1e-3  # gradients are not trivially zero
     assert sum(s.n_tokens for s in samples) < sum(b.n_tokens for b in branches)
+    # the sampler's own flat layout (the bench baseline) is the same training as the reference
+    flat = build_samples(trees, rewards, groups, layout="flat")
+    assert len(flat) == len(branches)
+    norm = float(sum(s.n_flat_trainable for s in samples))
+    with torch.no_grad():
+        a = flat_loss_and_grads(model, flat, cfg=cfg, normalizer=norm, backward=False)
+        b = flat_loss_and_grads(model, branches, cfg=cfg, normalizer=norm, backward=False)
+    assert abs(a["loss"] - b["loss"]) <= 1e-12
 
 
 def test_tree_equals_flat_with_stale_tokens_truncated_is():

@@ -29,6 +29,7 @@ TOOL_TOKENS = [TOOL_CALL_START, TOOL_CALL_END]
 
 VOCAB_SIZE = 1024  # BPE target; special and tool tokens are part of it
 _MARKER = ".gyre-complete"
+FORMAT_VERSION = 2  # bump when the recipe changes: caches built by an older one are rebuilt
 
 # Qwen-style, simplified. `tools` go into the system turn; assistant tool calls are rendered as
 # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>; a tool result is its own turn.
@@ -144,7 +145,12 @@ def _default_dir(seed: int) -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / _MARKER).is_file()
+    """Built completely, by this version of the recipe (an older build is rebuilt)."""
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
 
 
 def build_tokenizer():
@@ -184,9 +190,49 @@ def build_tokenizer():
     return fast
 
 
-def _build(out: Path, seed: int) -> None:
+def _init_weights(config, seed: int) -> dict:
+    """Random Qwen3ForCausalLM weights, initialised the way transformers does it.
+
+    Linear and embedding weights ~ N(0, initializer_range) (the pad row of the embedding is
+    zero), RMSNorm weights 1; ``lm_head`` is tied to the embedding and not stored. Building
+    the state dict directly avoids importing the modeling code (~5 s on a loaded 2-core box),
+    which keeps `make_tiny_model` fast for tokenizer-only users.
+    """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    g = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+
+    def normal(*shape):
+        return torch.empty(shape).normal_(0.0, std, generator=g)
+
+    emb = normal(config.vocab_size, h)
+    emb[config.pad_token_id] = 0.0
+    weights = {"model.embed_tokens.weight": emb}
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        weights |= {
+            pre + "self_attn.q_proj.weight": normal(nh * hd, h),
+            pre + "self_attn.k_proj.weight": normal(nkv * hd, h),
+            pre + "self_attn.v_proj.weight": normal(nkv * hd, h),
+            pre + "self_attn.o_proj.weight": normal(h, nh * hd),
+            pre + "self_attn.q_norm.weight": torch.ones(hd),
+            pre + "self_attn.k_norm.weight": torch.ones(hd),
+            pre + "mlp.gate_proj.weight": normal(inter, h),
+            pre + "mlp.up_proj.weight": normal(inter, h),
+            pre + "mlp.down_proj.weight": normal(h, inter),
+            pre + "input_layernorm.weight": torch.ones(h),
+            pre + "post_attention_layernorm.weight": torch.ones(h),
+        }
+    weights["model.norm.weight"] = torch.ones(h)
+    return weights
+
+
+def _build(out: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, Qwen3Config
 
     tokenizer = build_tokenizer()
     config = Qwen3Config(
@@ -208,16 +254,16 @@ def _build(out: Path, seed: int) -> None:
         initializer_range=0.2,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(out)
+    save_file(_init_weights(config, seed), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
         pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(out)
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / _MARKER).write_text(json.dumps({"seed": seed}))
+    (out / _MARKER).write_text(json.dumps({"seed": seed, "format": FORMAT_VERSION}))
 
 
 def make_tiny_model(out_dir: str | os.PathLike | None = None, *, seed: int = 0) -> str:

@@ -112,3 +112,13 @@ def test_chat_template_is_prefix_stable(model_dir, tools):
                 MESSAGES[:k], tools=tools, tokenize=False, add_generation_prompt=True
             )
             assert longer.startswith(prompt), k
+
+
+def test_older_build_is_rebuilt(tmp_path):
+    path = make_tiny_model(tmp_path / "m")
+    marker = Path(path, ".gyre-complete")
+    marker.write_text(json.dumps({"seed": 0}))  # what the first recipe wrote
+    (Path(path) / "model.safetensors").write_bytes(b"stale")
+    assert make_tiny_model(path) == path
+    assert load_file(os.path.join(path, "model.safetensors"))  # rebuilt, loadable
+    assert json.loads(marker.read_text())["format"] >= 2

@@ -268,7 +268,8 @@ class Gateway:
             if s is not None and s.cell_id == cell_id and self.router.active():
                 await self._relocate(s, h)
                 moved += 1
-        self.router.engines.pop(cell_id, None)
+        if self.router.engines.get(cell_id) is h:  # not re-added meanwhile
+            del self.router.engines[cell_id]
         if h.client is not None:
             await h.client.aclose()
             h.client = None

@@ -101,24 +101,27 @@ class Router:
         h.sessions.add(session_id)
 
     async def move_kv(self, old: EngineHandle, new: EngineHandle, context: list[int]) -> int:
-        """Move the KV of ``context``'s cached prefix from ``old`` to ``new``; 0 if not done."""
+        """Move the KV of ``context``'s cached prefix from ``old`` to ``new``; 0 if not done
+        (the new cell then re-prefills from its own prefix cache)."""
         if not context or old.kv_supported is False or new.kv_supported is False:
             self.reprefills += 1
             return 0
-        try:
-            src = await self.client(old)
-            dst = await self.client(new)
-            blob = await src.export_kv(context)
-            n = await dst.import_kv(blob)
-        except EngineError as exc:
-            if exc.status in (404, 405, 501):  # a backend without the gyre extension
-                bad = old if "export" in str(exc) or exc.url == old.base_url else new
-                bad.kv_supported = False
-            log.warning(
-                "KV move %s -> %s failed, re-prefill instead: %s", old.cell_id, new.cell_id, exc
-            )
-            self.reprefills += 1
-            return 0
+        for side, h in (("export", old), ("import", new)):
+            try:
+                client = await self.client(h)
+                if side == "export":
+                    blob = await client.export_kv(context)
+                else:
+                    n = await client.import_kv(blob)
+            except EngineError as exc:
+                if exc.status in (404, 405, 501):  # a backend without the gyre KV extension
+                    h.kv_supported = False
+                log.warning(
+                    "KV %s on %s failed (%s -> %s), re-prefill instead: %s",
+                    side, h.cell_id, old.cell_id, new.cell_id, exc,
+                )  # fmt: skip
+                self.reprefills += 1
+                return 0
         old.kv_supported = new.kv_supported = True
         self.kv_moves += 1
         self.kv_moved_tokens += n

@@ -182,9 +182,9 @@ def _branch_advantages(
         return np.full(len(leaves), session_adv, dtype=np.float64)
     adv = np.zeros(len(leaves), dtype=np.float64)
     for at, term in subtask_terms:
-        at_node = ft.ends.get(at) if at is not None else None
+        at_node = ft.ends.get(at, -1) if at is not None else -1
         for b, rid in enumerate(leaves):
-            if at_node is None or ft.is_ancestor_or_self(at_node, ft.ends[rid]):
+            if at_node < 0 or ft.is_ancestor_or_self(at_node, ft.ends[rid]):
                 adv[b] += term
     return adv
 

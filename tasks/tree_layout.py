@@ -38,7 +38,7 @@ class FlatTree:
     node_parent: np.ndarray  # (M,) preorder index of the parent node, -1 under the root
     node_size: np.ndarray  # (M,) number of nodes in the subtree (self included)
     node_ids: np.ndarray  # (M,) internal Node.id
-    ends: dict[str, int]  # request id -> preorder index of the node its context ends in
+    ends: dict[str, int]  # request id -> preorder index of its context's end node (-1: root)
 
     @property
     def n_tokens(self) -> int:
@@ -95,7 +95,8 @@ def flatten(tree: TrajectoryTree) -> FlatTree:
         p = node_parent[i]
         if p >= 0:
             size[p] += size[i]
-    ends = {rid: pre[node.id] for rid, node in tree.end_nodes().items()}
+    # a call with an empty context ends at the (virtual) root: -1
+    ends = {rid: pre.get(node.id, -1) for rid, node in tree.end_nodes().items()}
     return FlatTree(
         token_ids=tokens,
         parent_idx=parent_idx.astype(np.int32),

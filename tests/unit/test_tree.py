@@ -176,3 +176,40 @@ def test_long_rollout_builds_fast_and_exact():
         expect = np.concatenate([full[r.request_id], np.asarray(r.output_ids, np.int32)])
         assert np.array_equal(tree.path_tokens(r.request_id), expect)
     assert tree.n_tokens == sum(len(r.new_input_ids) + len(r.output_ids) for r in recs)
+
+
+def test_empty_call_ends_at_the_root():
+    t = TrajectoryTree("s")
+    t.add(rec("e", None, 0, [], []))
+    t.add(rec("a", "e", 0, [1, 2], [3], seq=1))
+    assert t.path_tokens("e").tolist() == [] and t.leaves() == ["a"]
+    ft = t.flatten()
+    assert ft.ends["e"] == -1 and ft.n_tokens == 3
+
+
+@pytest.mark.slow
+def test_500_call_rollout_builds_within_two_seconds():
+    import time
+
+    recs = long_rollout(n_calls=500, unique_tokens=1_000_000, reset_every=250)
+    recs = [
+        TitoRecord(
+            r.run_id,
+            r.session_id,
+            r.request_id,
+            r.seq_no,
+            r.parent_request_id,
+            r.prefix_len,
+            list(r.new_input_ids),
+            list(r.output_ids),
+            list(r.output_logprobs),
+            r.weight_version,
+        )
+        for r in recs
+    ]
+    t0 = time.perf_counter()
+    tree = TrajectoryTree("long")
+    tree.extend(recs)
+    assert time.perf_counter() - t0 <= 2.0
+    assert tree.n_tokens == sum(len(r.new_input_ids) + len(r.output_ids) for r in recs) > 990_000
+    assert tree.n_flat_tokens > 100_000_000

@@ -303,6 +303,7 @@ def test_trainer_save_load_resumes_exactly(model_dir, tmp_path):
     ckpt = a.save(str(tmp_path / "ckpt"))
     assert (Path(ckpt) / "model.safetensors").is_file() and (Path(ckpt) / "optimizer.pt").is_file()
     assert (Path(ckpt) / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert "gyre_tree" not in (Path(ckpt) / "config.json").read_text()  # loads anywhere
     b = Trainer.load(ckpt, lr=1e-3, seed=1)
     assert b.version == 1 and b.n_steps == 1
     assert b.optimizer.state_dict()["state"].keys() == a.optimizer.state_dict()["state"].keys()

@@ -32,7 +32,7 @@ from tasks.packed_loss import (
     token_losses,
     tree_loss_and_grads,
 )
-from tasks.sampler import Sample
+from tasks.sampler import Sample, staleness
 
 __all__ = [
     "LossConfig",
@@ -159,11 +159,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.n_steps += 1
-        lags = [
-            version - s.versions[(s.versions >= 0) & s.trainable_mask].mean()
-            for s in samples
-            if ((s.versions >= 0) & s.trainable_mask).any()
-        ]
+        lags = [x for x in (staleness(s, version) for s in samples) if not math.isnan(x)]
         return {
             "train/loss": m["loss"],
             "train/tokens": m["tokens"],

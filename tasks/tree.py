@@ -136,7 +136,6 @@ class TrajectoryTree:
         self._next_id = 0
         self._end: dict[str, Node] = {}  # request id -> node its context (input + output) ends in
         self._end_depth: dict[str, int] = {}
-        self._n_output: dict[str, int] = {}
         self.n_tokens = 0  # unique tokens held
         self.n_flat_tokens = 0  # sum over calls of len(input) + len(output)
         self.request_ids: list[str] = []
@@ -160,19 +159,19 @@ class TrajectoryTree:
         new = np.asarray(record.new_input_ids, dtype=np.int32)
         out = np.asarray(record.output_ids, dtype=np.int32)
         k = int(record.prefix_len)
-        node, off = self._locate(record.parent_request_id, k, rid)
+        # validate everything before the trie changes
         if spans is None:
             spans = record.extra.get("input_spans") if record.extra else None
-        for lo, hi, prov in _input_segments(len(new), spans, rid):
+        segments = _input_segments(len(new), spans, rid)
+        lp = np.asarray(record.output_logprobs, dtype=np.float32)
+        if len(lp) == 0:
+            lp = np.full(len(out), np.nan, np.float32)
+        elif len(lp) != len(out):
+            raise TreeError(f"record {rid!r}: {len(lp)} output_logprobs for {len(out)} output_ids")
+        node, off = self._locate(record.parent_request_id, k, rid)
+        for lo, hi, prov in segments:
             node, off = self._insert(node, off, new[lo:hi], prov, -1, None)
         if len(out):
-            lp = np.asarray(record.output_logprobs, dtype=np.float32)
-            if len(lp) == 0:
-                lp = np.full(len(out), np.nan, np.float32)
-            elif len(lp) != len(out):
-                raise TreeError(
-                    f"record {rid!r}: {len(lp)} output_logprobs for {len(out)} output_ids"
-                )
             node, off = self._insert(node, off, out, POLICY, int(record.weight_version), lp)
         if off < len(node):  # the context ends inside a segment: cut it there
             node = self._split(node, off)
@@ -180,7 +179,6 @@ class TrajectoryTree:
         self._end[rid] = node
         depth = k + len(new) + len(out)
         self._end_depth[rid] = depth
-        self._n_output[rid] = len(out)
         self.n_flat_tokens += depth
         self.request_ids.append(rid)
 

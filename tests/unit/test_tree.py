@@ -94,6 +94,10 @@ def test_tool_spans_and_errors():
         t.add(rec("z", None, 0, [1], [2], session="other"))
     with pytest.raises(TreeError, match="overlaps or lies outside"):
         t.add(rec("w", "a", 5, [1, 2], [3]), spans=[(1, 5, "env")])
+    bad = TitoRecord("run", "s", "v", 1, "a", 5, [1, 2], [3, 4], [-1.0], 0)
+    with pytest.raises(TreeError, match="1 output_logprobs for 2"):
+        t.add(bad)
+    assert t.n_tokens == 5 and len(t.nodes()) == 4 and "v" not in t  # nothing half-added
 
 
 @pytest.mark.parametrize("seed", range(60))

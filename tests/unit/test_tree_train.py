@@ -318,3 +318,15 @@ def test_trainer_rejects_bad_settings(model_dir):
         Trainer(str(model_dir), loss="dpo")
     with pytest.raises(ValueError, match="max_tokens_per_micro=0"):
         Trainer(str(model_dir), max_tokens_per_micro=0, lr=-1)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "tis"])
+def test_trainer_other_losses_and_stale_tokens(model_dir, loss):
+    samples = train_samples(2)
+    vmax = max(int(s.versions.max()) for s in samples)
+    tr = Trainer(str(model_dir), lr=1e-3, loss=loss, max_staleness=0, version=vmax + 2)
+    m = tr.step(samples)
+    assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    assert m["train/staleness_mean"] >= 2
+    empty = tr.step([])  # nothing to train: no update, no crash
+    assert empty["train/tokens"] == 0 and empty["train/grad_norm"] == 0

@@ -43,7 +43,7 @@ import torch
 
 from infra.batch_kv import BatchKV
 from infra.radix_cache import RadixCache
-from infra.sampling import SamplingParams, sample_next
+from infra.sampling import SamplingParams, sample_batch, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -636,8 +636,15 @@ class Engine:
         logits = self._forward(tokens, pos, batch.cache(), mask)
         batch.advance(1)
         self.stats["engine/decode_steps"] += 1
-        done = [(b, r, self._emit(r, logits[b])) for b, r in enumerate(self._running)]
-        done = [(b, r, reason) for b, r, reason in done if reason is not None]
+        if type(self)._emit is Engine._emit:  # one batched draw for every row
+            picks = sample_batch(
+                logits, [r.params for r in self._running], [r.generator for r in self._running]
+            )
+            reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
+        else:  # a subclass hooks the per-row choice (tests script tokens this way)
+            reasons = [self._emit(r, logits[b]) for b, r in enumerate(self._running)]
+        done = [(b, r, why) for b, (r, why) in enumerate(zip(self._running, reasons, strict=True))]
+        done = [(b, r, why) for b, r, why in done if why is not None]
         if done:
             self._remove_rows([b for b, _, _ in done], cache=True)
             for _, r, reason in done:
@@ -649,7 +656,10 @@ class Engine:
         The caller finishes the request (after taking its KV out of the batch), so a waiter
         woken by ``req.done`` already sees the engine without it.
         """
-        token, logprob = sample_next(logits, req.params, req.generator)
+        return self._append(req, *sample_next(logits, req.params, req.generator))
+
+    def _append(self, req: Request, token: int, logprob: float) -> dict | None:
+        """Append a chosen token to `req`; returns the finish reason if it is done."""
         if req.weight_version is None:
             req.weight_version = self._weight_version
             req.first_token_at = time.time()

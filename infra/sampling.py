@@ -132,32 +132,61 @@ def _coerce(key: str, value):
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
-    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob).
+    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob)."""
+    return sample_batch(logits.unsqueeze(0), [params], [generator])[0]
 
-    Sampling is an inverse-CDF draw with one uniform from the request's generator (3x cheaper
-    than `torch.multinomial` at this size), so a seeded request's tokens depend only on its
-    own logits and seed, never on the batch around it.
+
+def sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[tuple[int, float]]:
+    """Next token of each row of raw `logits` (B, V) fp32: [(token, raw logprob)] * B.
+
+    Each sampled row is an inverse-CDF draw with one uniform from that row's own generator, so
+    a seeded request's tokens depend only on its logits and seed, not on the other rows; the
+    arithmetic is row-wise, one batched op per stage (3-4x cheaper than a per-row
+    `torch.multinomial` at B=16).
     """
+    B, V = logits.shape
     logprobs = torch.log_softmax(logits, dim=-1)
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
-    scores = logits if params.temperature == 1.0 else logits / params.temperature
-    if 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    order = None
-    if params.top_p < 1.0:
-        # keep the smallest set whose mass reaches top_p (the most likely token always stays)
-        probs, order = torch.sort(probs, descending=True)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= params.top_p, 0.0)
+    tokens = torch.argmax(logits, dim=-1)  # greedy rows keep these
+    sampled = [b for b in range(B) if params[b].temperature != 0]
+    if sampled:
+        rows = torch.tensor(sampled)
+        ps = [params[b] for b in sampled]
+        temps = torch.tensor([[p.temperature] for p in ps], dtype=logits.dtype)
+        scores = logits[rows] / temps
+        ks = [p.top_k if 0 < p.top_k < V else 0 for p in ps]
+        if any(ks):
+            top = torch.topk(scores, max(ks), dim=-1).values
+            kth = top[torch.arange(len(ps)), torch.tensor([max(k, 1) for k in ks]) - 1]
+            kth = torch.where(torch.tensor(ks) > 0, kth, torch.full_like(kth, float("-inf")))
+            scores = scores.masked_fill(scores < kth.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        u = torch.cat([torch.rand(1, generator=generators[b], dtype=probs.dtype) for b in sampled])
+        nucleus = [i for i, p in enumerate(ps) if p.top_p < 1.0]
+        plain = [i for i, p in enumerate(ps) if p.top_p >= 1.0]
+        if plain:  # no top-p: draw from the distribution as it is
+            idx = torch.tensor(plain)
+            tokens[rows[idx]] = _draw(probs[idx], u[idx])
+        if nucleus:  # top-p needs the sorted distribution (a sort costs ~0.1 ms a row)
+            idx = torch.tensor(nucleus)
+            sorted_probs, order = torch.sort(probs[idx], dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+            top_p = torch.tensor([[ps[i].top_p] for i in nucleus], dtype=probs.dtype)
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+            j = _draw(sorted_probs, u[idx])
+            tokens[rows[idx]] = order.gather(1, j.unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row of `probs` (R, V) with uniforms `u` (R,); returns (R,) ids."""
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand(1, generator=generator, dtype=cdf.dtype)
-    # right-sided search: the chosen index j has cdf[j] > u * total >= cdf[j-1], so p[j] > 0
-    j = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), cdf.shape[-1] - 1)
-    if probs[j] <= 0:  # only if u * total rounded up to total
-        j = int(torch.argmax(probs))
-    token = j if order is None else int(order[j])
-    return token, float(logprobs[token])
+    # right-sided search: index j has cdf[j] > u * total >= cdf[j-1], so p[j] > 0
+    j = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    j = j.clamp(max=probs.shape[-1] - 1)
+    picked = probs.gather(1, j.unsqueeze(1)).squeeze(1)
+    # u * total rounded up to total: fall back to the most likely token
+    return torch.where(picked > 0, j, torch.argmax(probs, dim=-1))

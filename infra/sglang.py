@@ -236,6 +236,11 @@ async def drain(
     draw on the target (the RNG state does not move); greedy output is unchanged by a drain.
     """
     await client_from.pause("abort")
+    # A request that reached the source only after the pause waits in its queue: abort it too,
+    # or its task would never finish (abort matches by rid prefix, and the source is leaving).
+    for p in pending:
+        if not p.task.done():
+            await client_from.abort(p.rid)
     results: list[dict | None] = [None] * len(pending)
 
     async def move(i: int, p: Pending) -> None:

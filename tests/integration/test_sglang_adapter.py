@@ -155,19 +155,27 @@ def test_drain_moves_in_flight_requests(two_servers, move_kv):
                 await asyncio.sleep(0.01)
             await short
             pending.append(Pending(PROMPT[:8], {"max_new_tokens": 2}, "done-0001", short))
+            # sent after the source is paused: it queues there and must be moved too
+            await a.pause("in_place")
+            late = asyncio.ensure_future(a.generate(PROMPT, greedy, rid="late-0001"))
+            while not eng_a.load()["waiting"]:
+                await asyncio.sleep(0.01)
+            pending.append(Pending(PROMPT, greedy, "late-0001", late))
             merged = await drain(a, b, pending, move_kv=move_kv)
             return reference, merged
 
     reference, merged = asyncio.run(go())
-    for m in merged[:3]:
+    for m in merged[:3] + merged[4:]:
         meta = m["meta_info"]
-        assert 0 < meta["drained_tokens"] < 200
+        assert 0 <= meta["drained_tokens"] < 200
         # greedy continues exactly where the source stopped
         assert m["output_ids"] == reference["output_ids"]
         assert meta["completion_tokens"] == 200 and meta["finish_reason"]["type"] == "length"
         assert [t for _, t, _ in meta["output_token_logprobs"]] == m["output_ids"]
-        if move_kv:
+        if move_kv and meta["drained_tokens"]:
             assert meta["cached_tokens"] >= len(PROMPT) + meta["drained_tokens"] - 1
+    assert all(m["meta_info"]["drained_tokens"] > 0 for m in merged[:3])
+    assert merged[4]["meta_info"]["drained_tokens"] == 0  # never started on the source
     assert merged[3]["meta_info"]["finish_reason"]["type"] == "length"  # finished before
     assert eng_a.load()["paused"] == "abort"
 

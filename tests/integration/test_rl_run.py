@@ -161,3 +161,18 @@ def test_run_on_s3_store(prefect_harness, moto_s3, tmp_path):
         env=os.environ.copy(),
     ).stdout
     assert out.splitlines() == ["n", "2"]
+
+
+def test_readme_sql_examples_answer(local_run):
+    """Every example query in README.md runs on a real run's store and answers."""
+    store_dir, _, _ = local_run
+    store = Store(str(store_dir))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```sql\n", 1)[1].split("```", 1)[0]
+    queries = [q.strip() for q in block.split(";") if q.strip()]
+    assert len(queries) >= 5
+    sid = query(store, "SELECT session_id FROM nodes WHERE n_children > 1 LIMIT 1")
+    sid = sid.to_pylist()[0]["session_id"]
+    answers = [query(store, q.replace("sess-...", sid)).num_rows for q in queries]
+    by_subtask, saved, _stale, branches, versions = answers[:5]
+    assert by_subtask == 2 and saved == 1 and branches >= 1 and versions >= 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +21,7 @@ from tasks.tito import reconstruct_inputs
 
 pytestmark = pytest.mark.integration
 
-GYRE = [sys.executable, "-m", "flows.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 
 
 def _run(store_url: str, audit_dir: Path) -> dict:
@@ -121,10 +114,10 @@ def test_cli_sql_shows_every_view(local_run):
 
 
 @pytest.fixture(scope="module")
-def moto_s3():
+def moto_s3(free_port):
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     env = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,19 +14,13 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-GYRE = [sys.executable, "-m", "flows.cli"]
+GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_serve_session_chat_then_sql(tmp_path):
+def test_serve_session_chat_then_sql(tmp_path, free_port):
     env = {**os.environ, "GYRE_CACHE": str(tmp_path / "cache")}
     store = str(tmp_path / "store")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*GYRE, "serve", "--store", store, "--port", str(port)],
         env=env,

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     hidden = args.hidden or (128 if q else 256)
     layers = args.layers or (2 if q else 4)
     scale = args.scale or (32 if q else 64)
-    repeats = args.repeats or (3 if q else 5)
+    repeats = args.repeats or 5
     vocab = 2048
 
     tree, flat = workload(sessions, calls, vocab, scale)
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "unique_tokens": float(unique),
         "flat_tokens": float(n_flat),
         "unique_over_flat_tokens": ratio,
+        "unique_over_flat_trainable": sum(s.n_trainable for s in tree) / norm,
         "tree_step_s": t_tree,
         "flat_step_s": t_flat,
         "tree_over_flat_step_time": t_tree / t_flat,

@@ -69,6 +69,15 @@ class Trainer:
     ``max_tokens_per_micro`` tokens, accumulates gradients of the token-level loss
     normalised by the step's flat trainable-token count, clips the gradient norm,
     takes one optimizer step and bumps ``version``.
+
+    Settings beyond the core ones: ``loss`` is ``ppo_clip`` (asymmetric clip
+    ``clip_eps_low``/``clip_eps_high``), ``grpo`` (symmetric clip at
+    ``clip_eps_low``) or ``tis`` (truncated-IS policy gradient, cap ``is_cap``);
+    ``max_staleness``: tokens generated more than that many versions before
+    ``version`` get truncated IS (cap ``is_cap``) instead of the clipped ratio;
+    ``attention``: ``tree`` (chain-wise, default) or ``dense`` (4D mask);
+    ``version``: the policy version the weights are (``load`` reads it back).
+    A float64 trainer keeps RMSNorm in float64 (``keep_norms_in_fp64``).
     """
 
     def __init__(

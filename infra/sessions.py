@@ -91,7 +91,9 @@ class SessionTable:
                 line = json.dumps(
                     {"session_id": sid, "key": s.key, "group_id": group_id, "meta": s.meta}
                 )
-                with open(self._journal, "a", encoding="utf-8") as fh:
+                # the journal holds API keys: readable by this user only
+                fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "a", encoding="utf-8") as fh:
                     fh.write(line + "\n")
                     fh.flush()
                     os.fsync(fh.fileno())

@@ -573,3 +573,41 @@ def test_streamed_call_survives_withdrawal_and_dead_engine(gateway, cells, model
     assert gw.engines()["x"]["state"] == "dead"
     _check_exact(list(recs.values()), {**engines, "x": eng})
     gw.remove_engine("x")
+
+
+def test_streaming_completions_and_native_generate(gateway, cells):
+    engines, _ = cells
+    gw = gateway
+    tok = gw.tok
+    sid, key = gw.new_session()
+    client = _client(gw, key)
+    chunks = list(
+        client.completions.create(
+            model="gyre", prompt="The weather", max_tokens=6, stream=True, temperature=0.5, seed=1
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    body = {
+        "input_ids": tok.encode("The weather today"),
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        "return_logprob": True,
+        "stream": True,
+    }
+    events = []
+    with httpx.stream(
+        "POST", gw.url + "/generate", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as res:
+        assert res.status_code == 200
+        for line in res.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert [t for _, t, _ in last["meta_info"]["output_token_logprobs"]] == last["output_ids"]
+    recs = {r.request_id: r for r in _records(gw, sid)}
+    assert tok.decode(recs[chunks[0].id].output_ids) == text
+    assert list(recs[last["meta_info"]["id"]].output_ids) == last["output_ids"]
+    assert recs[last["meta_info"]["id"]].endpoint == "generate"
+    _check_exact(list(recs.values()), engines)

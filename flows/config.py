@@ -113,7 +113,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_new_tokens": 16,
             "summarize_every": 2,
         },
-        "train": {"steps": 4},
+        # a high rate so that 8 steps move the tiny policy visibly (reward in `steps`)
+        "train": {"steps": 8, "lr": 0.01},
     },
 }
 

@@ -67,6 +67,8 @@ class GenResult:
     cell_id: str
     t_start: float
     t_end: float
+    session: Session | None = None  # set while the call is generated but not yet recorded
+    recorded: bool = False
 
     @property
     def finish_type(self) -> str:
@@ -261,6 +263,12 @@ class Gateway:
                     log.warning("abort of %s on %s failed: %s", erid, cell_id, exc)
             while h.inflight and time.monotonic() < deadline + 30:
                 await asyncio.sleep(0.005)
+        # calls that finished generating but are not recorded yet: their context is the KV to move
+        pinned = [self.sessions.get(sid) for sid in list(h.sessions)]
+        while (
+            any(x is not None and x.unrecorded for x in pinned) and time.monotonic() < deadline + 30
+        ):
+            await asyncio.sleep(0.002)
         moves_before = (self.router.kv_moves, self.router.kv_moved_tokens, self.router.reprefills)
         moved = 0
         for sid in list(h.sessions):
@@ -429,6 +437,7 @@ class Gateway:
             if finish.get("type") == "abort" and len(out) < max_new:
                 self.counters["retries"] += 1  # drained or paused: resubmit prefix + partial
                 continue
+            s.unrecorded += 1  # until record()/settle(): a withdrawal waits for it
             return GenResult(
                 out,
                 lps,
@@ -438,6 +447,7 @@ class Gateway:
                 h.cell_id,
                 t0,
                 time.time(),
+                session=s,
             )
         raise ApiError(
             503,
@@ -465,6 +475,12 @@ class Gateway:
         matched = next(x for x in stops if x and text.startswith(x, i))
         res.finish = {"type": "stop", "matched": matched}
         return text[:i], matched
+
+    def settle(self, res: GenResult | None) -> None:
+        """A generated call is recorded, or never will be (error, harness gone)."""
+        if res is not None and res.session is not None and not res.recorded:
+            res.recorded = True
+            res.session.unrecorded -= 1
 
     async def record(
         self,
@@ -495,10 +511,15 @@ class Gateway:
             t_end=res.t_end,
             endpoint=endpoint,
         )
-        await self.tito.append_async(rec)
-        with s.state_lock:
-            s.calls.add(rid, seq, inp, rec.output_ids, reply=reply, im_end_id=self.tok.im_end_id)
-        s.last_request_id = rid
+        try:
+            await self.tito.append_async(rec)
+            with s.state_lock:
+                s.calls.add(
+                    rid, seq, inp, rec.output_ids, reply=reply, im_end_id=self.tok.im_end_id
+                )
+            s.last_request_id = rid
+        finally:
+            self.settle(res)
         if inp.msg_key is not None and reply is not None:
             line = f"{s.session_id} {rid} {inp.msg_key.hex()} {digest(reply).hex()}\n"
             self._keys_fh.write(line.encode())

@@ -163,8 +163,11 @@ def build_app(gw: Gateway) -> Starlette:
 
         if not gp.stream:
             res = await gw.generate(s, rid, ids, gp, max_new)
-            content, calls, reason = finish(res)
-            await gw.record(s, rid, seq, inp, res, "chat", reply_key(content, calls))
+            try:
+                content, calls, reason = finish(res)
+                await gw.record(s, rid, seq, inp, res, "chat", reply_key(content, calls))
+            finally:
+                gw.settle(res)
             lp = chat_logprobs(token_strs(res.output_ids), res.logprobs) if gp.logprobs else None
             use = usage(len(ids), len(res.output_ids), res.cached_tokens)
             return _json(chat_body(rid, model, content, calls, reason, use, lp), res=res)
@@ -241,6 +244,8 @@ def build_app(gw: Gateway) -> Starlette:
             finally:
                 if not task.done():
                     task.cancel()
+                elif not task.cancelled() and task.exception() is None:
+                    gw.settle(task.result())  # harness gone before the record: stop counting
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -266,8 +271,11 @@ def build_app(gw: Gateway) -> Starlette:
         ids = inp.input_ids.tolist()
         if not gp.stream:
             res = await gw.generate(s, rid, ids, gp, max_new)
-            text, _ = gw.trim_stop(res, gp.stop)
-            await gw.record(s, rid, seq, inp, res, "completions")
+            try:
+                text, _ = gw.trim_stop(res, gp.stop)
+                await gw.record(s, rid, seq, inp, res, "completions")
+            finally:
+                gw.settle(res)
             lp = (
                 completion_logprobs(token_strs(res.output_ids), res.logprobs)
                 if gp.logprobs
@@ -323,6 +331,8 @@ def build_app(gw: Gateway) -> Starlette:
             finally:
                 if not task.done():
                     task.cancel()
+                elif not task.cancelled() and task.exception() is None:
+                    gw.settle(task.result())  # harness gone before the record: stop counting
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -359,8 +369,11 @@ def build_app(gw: Gateway) -> Starlette:
 
         if not gp.stream:
             res = await gw.generate(s, rid, ids, gp, max_new)
-            text, _ = gw.trim_stop(res, gp.stop)
-            await gw.record(s, rid, seq, inp, res, "generate")
+            try:
+                text, _ = gw.trim_stop(res, gp.stop)
+                await gw.record(s, rid, seq, inp, res, "generate")
+            finally:
+                gw.settle(res)
             return _json(native(res, text, True), res=res)
 
         async def events():
@@ -393,6 +406,8 @@ def build_app(gw: Gateway) -> Starlette:
             finally:
                 if not task.done():
                     task.cancel()
+                elif not task.cancelled() and task.exception() is None:
+                    gw.settle(task.result())  # harness gone before the record: stop counting
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -34,6 +34,7 @@ class Session:
     cell_id: str | None = None
     last_request_id: str | None = None  # latest finished call (its context is the KV to move)
     inflight: int = 0
+    unrecorded: int = 0  # calls generated whose TITO record is not written yet
     tokens: int = 0  # unique tokens so far (new input + output of every call)
     # guards `calls` when a large session's input is built on a worker thread
     state_lock: threading.Lock = field(default_factory=threading.Lock)

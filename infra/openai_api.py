@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 try:
     import orjson
 
@@ -190,15 +192,28 @@ def parse_native_params(body: dict) -> GenParams:
 
 
 def check_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
+    """Validate a list of token ids (vectorised: a 1M-token input costs milliseconds)."""
     if not isinstance(ids, list) or not ids:
         raise bad(f"'{param}' must be a non-empty list of token ids", param)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise bad(
-                f"'{param}' holds an invalid token id {t!r} (vocabulary size {vocab_size})",
-                param,
-                "invalid_token_id",
-            )
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError):
+        arr = np.asarray([], dtype=object)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size != len(ids):
+        bad_tok = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)), ids[0])
+        raise bad(
+            f"'{param}' holds an invalid token id {bad_tok!r} (vocabulary size {vocab_size})",
+            param,
+            "invalid_token_id",
+        )
+    out = (arr < 0) | (arr >= vocab_size)
+    if out.any():
+        t = int(arr[int(np.argmax(out))])
+        raise bad(
+            f"'{param}' holds an invalid token id {t} (vocabulary size {vocab_size})",
+            param,
+            "invalid_token_id",
+        )
     return ids
 
 

@@ -190,6 +190,13 @@ class Gateway:
             self.tito.abandon()
         self._keys_fh.close()
 
+    @property
+    def openai_base_url(self) -> str:
+        """What a harness passes to ``openai.OpenAI(base_url=...)`` (with its session key)."""
+        if self.url is None:
+            raise RuntimeError("the gateway is not running; call start() first")
+        return self.url + "/v1"
+
     def flush(self) -> None:
         """Write every acknowledged TITO record to the store now."""
         self.tito.flush()

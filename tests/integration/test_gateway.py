@@ -75,7 +75,7 @@ def gateway(tmp_path, cells, model_dir):
 
 
 def _client(gw: Gateway, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=60)
 
 
 def _records(gw: Gateway, session_id: str | None = None):

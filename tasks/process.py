@@ -66,6 +66,7 @@ def process_sessions(
             run_id,
             sid,
             scores,
+            declared=s.get("subtasks"),
             status=s["status"],
             reason=s.get("reason", ""),
             aggregation=aggregation,

@@ -107,7 +107,14 @@ def rollout_group(
         for r in env.score_rows():
             rows.append({"run_id": run_id, "session_id": sid, **r})
         handles.append(
-            {"session_id": sid, "group_id": group_id, "task_id": env.task_id, "step": step, **out}
+            {
+                "session_id": sid,
+                "group_id": group_id,
+                "task_id": env.task_id,
+                "step": step,
+                "subtasks": {t.subtask_id: t.weight for t in env.subtasks},
+                **out,
+            }
         )
     store.append("scores", rows)
     n_calls = sum(h["calls"] for h in handles)

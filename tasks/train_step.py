@@ -44,6 +44,9 @@ def _trainer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         "max_tokens_per_micro": cfg["max_tokens_per_micro"],
         "seed": cfg["seed"],
         "is_cap": cfg["is_cap"],
+        # "is": stale tokens reach the trainer and get truncated importance weights;
+        # "drop": the sampler already removed them
+        "max_staleness": cfg["max_staleness"] if cfg["stale_policy"] == "is" else None,
     }
 
 

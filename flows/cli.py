@@ -26,6 +26,7 @@ _ENV_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DASK_LOGGING__DISTRIBUTED": "warning",
     "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' load/save bars; gyre shows its own
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print("\nrun summary")
     for k, v in summary.items():
         print(
-            f"  {k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}"
+            f"  {k.ljust(width)}  {v:.4g}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}"
         )
     print(f'\nquery it:  gyre sql --store {summary["store"]} "SELECT * FROM steps"')
     return 0

@@ -37,6 +37,8 @@ from tasks.train_step import train_step
 
 log = logging.getLogger(__name__)
 
+CLOCK_SKEW_NS = 300 * 10**9
+
 
 def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
@@ -90,6 +92,9 @@ def rl_loop(
     )
     for step in bar:
         bar.set_postfix_str(f"v{version} rollout")
+        # segments of this step's sessions are written after this; the margin covers
+        # clock skew between hosts (reading a few older segments is harmless)
+        since_ns = time.time_ns() - CLOCK_SKEW_NS
         with dask.annotate(resources={"rollout": 1}):
             futures = [
                 rollout_group.submit(
@@ -107,7 +112,9 @@ def rl_loop(
         sessions = [h for f in futures for h in f.result()]
         gateway.flush()  # every answered call is in the store before processing
         bar.set_postfix_str(f"v{version} process")
-        processed = process_step.submit(store, run_id, step, sessions, version, tcfg).result()
+        processed = process_step.submit(
+            store, run_id, step, sessions, version, tcfg, since_ns
+        ).result()
         bar.set_postfix_str(f"v{version} train")
         with dask.annotate(resources={"train": 1}):
             trained = train_step.submit(

@@ -132,17 +132,25 @@ class Store:
             _with_retries(f"put {final}", self.fs.pipe_file, final, data)
         return final
 
-    def segments(self, dataset: str) -> list[str]:
+    def segments(self, dataset: str, since_ns: int | None = None) -> list[str]:
+        """Segment paths in write order; ``since_ns`` keeps those written at or after it."""
         base = self.path(dataset)
         try:
             names = _with_retries(f"list {base}", self.fs.ls, base, detail=False)
         except FileNotFoundError:
             return []
-        return sorted(n for n in names if n.rsplit("/", 1)[-1].startswith("part-"))
+        segs = sorted(n for n in names if n.rsplit("/", 1)[-1].startswith("part-"))
+        if since_ns is not None:
+            segs = [n for n in segs if int(n.rsplit("/", 1)[-1].split("-")[1]) >= since_ns]
+        return segs
 
-    def read(self, dataset: str) -> pa.Table:
-        """All segments of a dataset as one table (empty table with the schema if none)."""
-        segs = self.segments(dataset)
+    def read(self, dataset: str, since_ns: int | None = None) -> pa.Table:
+        """A dataset's segments as one table (empty, with the schema, if none).
+
+        ``since_ns`` reads only segments written at or after that time (``time.time_ns()``
+        of the writer), so a step reads what its own rollouts wrote, not the whole history.
+        """
+        segs = self.segments(dataset, since_ns)
         schema = SCHEMAS.get(dataset)
         if not segs:
             if schema is None:

@@ -23,8 +23,10 @@ from tasks.tito import TitoRecord
 from tasks.tree import build_trees
 
 
-def _rows_for_sessions(store: Store, dataset: str, session_ids: list[str]) -> list[dict[str, Any]]:
-    table = store.read(dataset)
+def _rows_for_sessions(
+    store: Store, dataset: str, session_ids: list[str], since_ns: int | None
+) -> list[dict[str, Any]]:
+    table = store.read(dataset, since_ns)
     if table.num_rows == 0:
         return []
     mask = pc.is_in(table["session_id"], value_set=pa.array(session_ids))
@@ -38,17 +40,22 @@ def process_sessions(
     sessions: list[dict[str, Any]],
     *,
     current_version: int,
+    since_ns: int | None = None,
     aggregation: str = "weighted_mean",
     estimator: str = "grpo",
     max_staleness: int | None = None,
     stale_mode: str = "drop",
 ) -> dict[str, Any]:
-    """The body of ``process_step`` (callable without Prefect, e.g. in tests)."""
+    """The body of ``process_step`` (callable without Prefect, e.g. in tests).
+
+    ``since_ns``: the sessions' records and scores were written after this time, so
+    older segments are not read (None reads everything).
+    """
     sids = [s["session_id"] for s in sessions]
-    records = [TitoRecord.from_row(r) for r in _rows_for_sessions(store, "tito", sids)]
+    records = [TitoRecord.from_row(r) for r in _rows_for_sessions(store, "tito", sids, since_ns)]
     scores = [
         Score(**{k: r[k] for k in Score.__dataclass_fields__})
-        for r in _rows_for_sessions(store, "scores", sids)
+        for r in _rows_for_sessions(store, "scores", sids, since_ns)
     ]
     trees = build_trees(records)
     at = scores_at_requests(scores)
@@ -126,6 +133,7 @@ def process_step(
     sessions: list[dict[str, Any]],
     current_version: int,
     train_cfg: dict[str, Any],
+    since_ns: int | None = None,
 ) -> dict[str, Any]:
     """Trees, scores and samples of one step's sessions."""
     out = process_sessions(
@@ -134,6 +142,7 @@ def process_step(
         step,
         sessions,
         current_version=current_version,
+        since_ns=since_ns,
         aggregation=train_cfg["reward_aggregation"],
         estimator=train_cfg["advantage"],
         max_staleness=train_cfg["max_staleness"],

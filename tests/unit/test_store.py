@@ -89,3 +89,14 @@ def test_checkpoints_versions(tmp_path):
         assert fh.read() == b"weights"
     with pytest.raises(FileNotFoundError):
         fetch_checkpoint(st, "r", 9)
+
+
+def test_read_since(tmp_path):
+    import time
+
+    st = Store(str(tmp_path / "s"))
+    st.append("cells", [_cell(0)])
+    t = time.time_ns()
+    st.append("cells", [_cell(1)])
+    assert st.read("cells", since_ns=t)["cell_id"].to_pylist() == ["c1"]
+    assert st.read("cells").num_rows == 2 and len(st.segments("cells", since_ns=0)) == 2

@@ -13,6 +13,7 @@ import os
 import secrets
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -182,12 +183,15 @@ def rl_run(
             role = "rollout" if i < cfg.cluster.rollout_cells else "train"
             cells.set_role(addr, role)
             _cell_event(st, run_id, cells.cell_id(addr), "join", role, version)
+        # the write-ahead log of answered calls lives where a later process can replay it
+        spool = Path(os.environ.get("GYRE_CACHE", "~/.cache/gyre")).expanduser() / "spool"
         gateway = Gateway(
             st,
             run_id=run_id,
             tokenizer_dir=model_dir,
             admin_token=admin_token,
             port=cfg.gateway.port,
+            spool_dir=str(spool / run_id),
         )
         gateway.start()
         try:

@@ -77,6 +77,7 @@ ROLLOUTS_SCHEMA = pa.schema(
         ("n_tokens_unique", pa.int64()),
         ("n_tokens_flat", pa.int64()),  # sum of every call's full context + output
         ("reason", pa.string()),
+        ("parent_session_id", pa.string()),  # the session that spawned it (sub-agents)
     ]
 )
 

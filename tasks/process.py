@@ -8,6 +8,7 @@ handle (the samples segment path and counts), never tensors.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -57,32 +58,43 @@ def process_sessions(
         Score(**{k: r[k] for k in Score.__dataclass_fields__})
         for r in _rows_for_sessions(store, "scores", sids, since_ns)
     ]
-    trees = build_trees(records)
+    parents = {
+        s["session_id"]: s["parent_session_id"] for s in sessions if s.get("parent_session_id")
+    }
+    trees = build_trees(records, session_parents=parents)
     at = scores_at_requests(scores)
     node_rows = [row for t in trees.values() for row in t.node_rows(run_id, at)]
     store.append("nodes", node_rows)
 
+    def root(sid: str) -> str:  # the top-level session a sub-agent session works for
+        seen = {sid}
+        while sid in parents and parents[sid] not in seen:
+            sid = parents[sid]
+            seen.add(sid)
+        return sid
+
+    # a rollout is judged on what it and its sub-agents finished
+    family_scores = [replace(sc, session_id=root(sc.session_id)) for sc in scores]
     rewards: dict[str, float] = {}
-    rollout_rows = []
-    by_sid = {r.session_id: [] for r in records}
+    for s in sessions:
+        if root(s["session_id"]) == s["session_id"]:
+            rewards[s["session_id"]] = score_rollout(
+                run_id,
+                s["session_id"],
+                family_scores,
+                declared=s.get("subtasks"),
+                status=s["status"],
+                reason=s.get("reason", ""),
+                aggregation=aggregation,
+            ).reward
+    by_sid: dict[str, list[TitoRecord]] = {}
     for r in records:
-        by_sid[r.session_id].append(r)
+        by_sid.setdefault(r.session_id, []).append(r)
+    rollout_rows = []
     for s in sessions:
         sid = s["session_id"]
-        rs = score_rollout(
-            run_id,
-            sid,
-            scores,
-            declared=s.get("subtasks"),
-            status=s["status"],
-            reason=s.get("reason", ""),
-            aggregation=aggregation,
-        )
-        rewards[sid] = rs.reward
         recs = by_sid.get(sid, [])
-        flat = 0
-        if sid in trees:
-            flat = sum(trees[sid].context_len(r.request_id) for r in recs)
+        flat = sum(trees[sid].context_len(r.request_id) for r in recs) if sid in trees else 0
         rollout_rows.append(
             {
                 "run_id": run_id,
@@ -91,11 +103,12 @@ def process_sessions(
                 "step": step,
                 "task_id": s.get("task_id", ""),
                 "status": s["status"],
-                "reward": rs.reward,
+                "reward": rewards.get(root(sid), 0.0),
                 "n_calls": len(recs),
                 "n_tokens_unique": sum(len(r.new_input_ids) + len(r.output_ids) for r in recs),
                 "n_tokens_flat": flat,
                 "reason": s.get("reason", ""),
+                "parent_session_id": s.get("parent_session_id"),
             }
         )
     store.append("rollouts", rollout_rows)
@@ -103,7 +116,7 @@ def process_sessions(
     samples = build_samples(
         trees,
         rewards,
-        {s["session_id"]: s["group_id"] for s in sessions},
+        {s["session_id"]: s["group_id"] for s in sessions if s["session_id"] in rewards},
         run_id=run_id,
         step=step,
         estimator=estimator,

@@ -84,25 +84,60 @@ def test_process_then_train_then_ledger_refuses_replay(tmp_path):
                 "reason": "",
             }
         )
+    # a sub-agent spawned by s0 finishes sub-task b for it
+    sub = _session("s3", rng)
+    records += sub
+    sessions.append(
+        {
+            "session_id": "s3",
+            "group_id": "g0",
+            "task_id": "t",
+            "status": "finished",
+            "reason": "",
+            "subtasks": {},
+            "parent_session_id": "s0",
+        }
+    )
+    scores.append(
+        {
+            "run_id": "run",
+            "session_id": "s3",
+            "subtask_id": "b",
+            "score": 1.0,
+            "weight": 1.0,
+            "at_request_id": sub[2].request_id,
+            "source": "harness",
+            "status": "finished",
+            "reason": "",
+        }
+    )
     store.append("tito", [r.to_row() for r in records])
     store.append("scores", scores)
 
     out = process_sessions(store, "run", 0, sessions, current_version=0)
-    assert out["n_calls"] == 9 and out["n_samples"] == 3
+    assert out["n_calls"] == 12 and out["n_samples"] == 4
     assert out["tokens_unique"] < out["tokens_flat"]
-    rewards = query(store, "SELECT session_id, reward FROM rollouts ORDER BY 1").to_pylist()
-    # sub-task b was declared but never scored: it counts 0 in the weighted mean
-    assert [r["reward"] for r in rewards] == [0.5, 0.0, 0.25]
+    rows = query(
+        store, "SELECT session_id, reward, parent_session_id FROM rollouts ORDER BY 1"
+    ).to_pylist()
+    # s1, s2: sub-task b was declared but never scored, so it counts 0 in the weighted mean;
+    # s0 gets b from its sub-agent s3, whose row carries the reward of the rollout it serves
+    assert [(r["reward"], r["parent_session_id"]) for r in rows] == [
+        (1.0, None),
+        (0.0, None),
+        (0.25, None),
+        (1.0, "s0"),
+    ]
     branch = query(store, "SELECT count(*) AS n FROM nodes WHERE n_children > 1").to_pylist()
-    assert branch[0]["n"] == 3  # one branch point per session (the retry)
+    assert branch[0]["n"] == 4  # one branch point per session (the retry)
 
     publish_checkpoint(store, "run", make_tiny_model(), 0)
     trained = train_on_samples(store, "run", 0, out["samples_segment"], TRAIN_CFG)
     assert trained["weight_version"] == 1 and latest_version(store, "run") == 1
     assert trained["train/trainable_tokens"] > 0 and np.isfinite(trained["train/loss"])
     steps = query(store, "SELECT step, weight_version, n_samples FROM steps").to_pylist()
-    assert steps == [{"step": 0, "weight_version": 1, "n_samples": 3}]
-    assert query(store, "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 3}]
+    assert steps == [{"step": 0, "weight_version": 1, "n_samples": 4}]
+    assert query(store, "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 4}]
     with pytest.raises(LedgerError, match="already trained"):
         train_on_samples(store, "run", 1, out["samples_segment"], TRAIN_CFG)
     assert latest_version(store, "run") == 1  # the refused step published nothing

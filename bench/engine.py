@@ -152,14 +152,26 @@ def bench_logprobs(model_dir: str, quick: bool) -> tuple[dict, dict]:
     return {"logprob_max_abs_diff": worst}, {"logprob_tokens_checked": n * new}
 
 
-# Each entry: fn(model_dir, quick) -> (figures, details). Append new figures here
-# (e.g. a `bench_tito_bytes_over_unique` giving "tito_bytes_over_unique").
-BENCHES = [bench_batching, bench_kv_move, bench_logprobs]
+def bench_tito_bytes(model_dir: str, quick: bool) -> tuple[dict, dict]:
+    """TITO bytes stored for a 200-turn session reaching 200K tokens, over unique tokens x 4 B
+    (the session goes through the real TitoLog into Parquet; see bench/tito.py)."""
+    import tito as tito_bench  # bench/tito.py, beside this script
+
+    out = tito_bench.measure(200, 200_000)
+    return {"tito_bytes_over_unique": out["tito_bytes_over_unique"]}, {
+        "tito_naive_over_unique": out["naive_bytes_over_unique"],
+        "tito_stored_bytes": out["stored_bytes"],
+    }
+
+
+# Each entry: fn(model_dir, quick) -> (figures, details). Append new figures here.
+BENCHES = [bench_batching, bench_kv_move, bench_logprobs, bench_tito_bytes]
 
 TARGETS = {
     "batched_over_serial_16": (">=", 4.0),
     "kv_move_over_prefill_8k": ("<=", 0.2),
     "logprob_max_abs_diff": ("<=", 1e-4),
+    "tito_bytes_over_unique": ("<=", 1.1),
 }
 
 

@@ -76,15 +76,9 @@ def synthetic_session(turns: int, tokens: int, *, vocab: int = 151_000, seed: in
     return recs
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--turns", type=int, default=200)
-    ap.add_argument("--tokens", type=int, default=200_000)
-    ap.add_argument("--quick", action="store_true", help="same size (it takes seconds)")
-    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
-    args = ap.parse_args(argv)
-
-    recs = synthetic_session(args.turns, args.tokens)
+def measure(turns: int = 200, tokens: int = 200_000) -> dict:
+    """Write one synthetic session through the real TitoLog; bytes stored vs unique vs naive."""
+    recs = synthetic_session(turns, tokens)
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(os.path.join(tmp, "store"))
         t0 = time.perf_counter()
@@ -103,6 +97,17 @@ def main(argv: list[str] | None = None) -> dict:
         "naive_bytes_over_unique": rep["naive_bytes"] / max(1, rep["unique_bytes"]),
         **rep,
     }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--turns", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--quick", action="store_true", help="same size (it takes seconds)")
+    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    out = measure(args.turns, args.tokens)
     print(f"{'metric':<28}{'value':>16}")
     for k in (
         "records",

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gyre-installed
 
-.PHONY: demo test lint format bench install clean
+.PHONY: demo test test-slow lint format bench install clean
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3 ...)"; exit 1; }
@@ -32,6 +32,10 @@ format: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/pytest -q -m "not slow and not gpu"
+
+# the long checks: performance targets as tests, SIGKILLed gateway (~2 min on 2 cores)
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m "slow and not gpu"
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done

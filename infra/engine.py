@@ -14,9 +14,14 @@ What it does (DESIGN.md §5, issue 3):
 - **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
   the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
   depend on what else is in the batch.
-- **Memory**: ``kv_cache_tokens`` bounds the radix cache; the running batch holds its own
-  copy of each running request's KV (at most ``max_batch_size`` rows, left-padded to the
-  longest), which the budget does not count.
+- **Memory**: ``kv_cache_tokens`` bounds all KV the engine holds, in tokens: the radix cache
+  plus the running requests' own copies (batch rows and chunked prefills; the batch buffer's
+  left padding and growth headroom are layout overhead, not counted). Admission is
+  conservative: a request is prefilled only when its worst case (input + the most output it
+  may still produce) fits next to the running requests' worst cases, after evicting LRU
+  unpinned radix entries; otherwise it waits in FIFO order until room frees. So decode never
+  runs out and nothing is retracted. The radix path a running request read is pinned until it
+  leaves (`RadixCache.lock`). ``load()`` reports ``kv_tokens_used`` / ``kv_tokens_budget``.
 - **Control**: abort by rid prefix, pause (abort | retract | in_place) / continue, hot weight
   reload at a step boundary, cache flush, KV export/import of a token prefix
   (`infra.kv_transfer`).
@@ -77,6 +82,8 @@ class Request:
     prefill_kv: Any = None  # DynamicCache during chunked prefill
     prefill_pos: int = 0  # tokens of `kv_ids` already in `prefill_kv`
     kv_epoch: int = -1  # weight epoch of the oldest KV this request holds
+    radix_lock: Any = None  # pinned radix path (a `RadixCache.lock` handle) while admitted
+    max_out: int = 0  # most output tokens it may produce (max_new_tokens within the context)
     done: threading.Event = field(default_factory=threading.Event)
     listeners: list = field(default_factory=list)  # callables(req), called after each update
 
@@ -137,7 +144,10 @@ class Engine:
             if "cache" in inspect.signature(self.model.forward).parameters
             else "past_key_values"
         )
-        self.radix = RadixCache(kv_cache_tokens)
+        self.kv_budget = int(kv_cache_tokens)
+        self.radix = RadixCache(self.kv_budget)
+        self._kv_used = 0  # last published by the scheduler (`_note_kv`)
+        self._kv_peak = 0
         self._weight_version = int(weight_version)
         self._epoch = 0  # bumps on every weight change: KV of older epochs is stale
         self._lock = threading.Lock()
@@ -211,6 +221,14 @@ class Engine:
                 "(input must leave room for at least one output token)"
             )
         req = Request(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params)
+        req.max_out = min(params.max_new_tokens, self.max_context - len(ids))
+        if self._footprint(req) > self.kv_budget:
+            raise EngineInputError(
+                f"input ({len(ids)} tokens) + max_new_tokens ({req.max_out}) needs "
+                f"{self._footprint(req)} KV tokens but the engine's KV budget is "
+                f"kv_cache_tokens={self.kv_budget}: lower max_new_tokens, shorten the input, "
+                "or raise --kv-cache-tokens"
+            )
         req.return_logprob = bool(return_logprob)
         seed = params.sampling_seed
         req.generator = torch.Generator().manual_seed(
@@ -342,12 +360,17 @@ class Engine:
             self._epoch += 1
             if flush_cache:
                 self.radix.flush()
+                self._note_kv()
 
         self._run_command(swap)
         return {"success": True, "message": f"loaded {model_path} as weight version {version}"}
 
     def flush_cache(self) -> bool:
-        self._run_command(self.radix.flush)
+        def flush():
+            self.radix.flush()
+            self._note_kv()
+
+        self._run_command(flush)
         return True
 
     def export_kv(self, input_ids: list[int]) -> bytes:
@@ -359,7 +382,11 @@ class Engine:
         return kv_transfer.dumps(ids[:n], kv, self._kv_meta())
 
     def import_kv(self, blob: bytes) -> int:
-        """Insert an exported prefix into the radix cache; returns the tokens imported."""
+        """Insert an exported prefix into the radix cache; returns the tokens imported.
+
+        Imports the longest part of the prefix that fits the KV budget now (all of it unless
+        running requests hold most of the budget).
+        """
         from infra import kv_transfer
 
         ids, kv, meta = kv_transfer.loads(blob)
@@ -368,8 +395,7 @@ class Engine:
             return 0
         self._validate_ids(ids)
         kv = kv.to(device=self.device, dtype=self.dtype)
-        self._run_command(lambda: self.radix.insert(ids, kv))
-        return len(ids)
+        return self._run_command(lambda: self._cache_insert(ids, kv, partial=True))
 
     def model_info(self) -> dict:
         return {
@@ -385,7 +411,8 @@ class Engine:
             "head_dim": self.head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_batch_size": self.max_batch_size,
-            "kv_cache_tokens": self.radix.max_tokens,
+            "kv_cache_tokens": self.kv_budget,
+            "kv_tokens_budget": self.kv_budget,
             "cell_id": self.cell_id,
             "engine": "gyre-embedded",
         }
@@ -397,6 +424,9 @@ class Engine:
                 "running": len(self._running),
                 "waiting": len(self._waiting) + len(self._inbox),
                 "radix_tokens": self.radix.total_tokens,
+                "kv_tokens_used": self._kv_used,
+                "kv_tokens_peak": self._kv_peak,
+                "kv_tokens_budget": self.kv_budget,
                 "paused": self._paused,
                 **self.stats,
             }
@@ -435,6 +465,71 @@ class Engine:
             "weight_version": self._weight_version,
             "model_path": self.model_dir,
         }
+
+    # -- KV budget (scheduler thread)
+    @staticmethod
+    def _footprint(req: Request) -> int:
+        """Most KV tokens `req` can ever hold: its input and every output it may produce."""
+        return len(req.input_ids) + req.max_out
+
+    def _admitted(self) -> list[Request]:
+        """Requests holding KV of their own: the running batch and chunked prefills."""
+        return self._running + [r for r in self._waiting if r.prefill_kv is not None]
+
+    def _kv_held(self) -> int:
+        """KV tokens held now: radix cache + batch rows + chunked prefills so far."""
+        rows = sum(self._batch.lens) if self._batch is not None else 0
+        prefills = sum(r.prefill_pos for r in self._waiting if r.prefill_kv is not None)
+        return self.radix.total_tokens + rows + prefills
+
+    def _reserved(self) -> int:
+        """KV tokens the admitted requests may grow to (each one's worst case)."""
+        return sum(self._footprint(r) for r in self._admitted())
+
+    def _make_room(self, tokens: int) -> bool:
+        """Evict LRU unpinned radix entries until `tokens` more fit next to every admitted
+        request's worst case. False, evicting nothing, if even the pinned entries leave no
+        room for them."""
+        target = self.kv_budget - self._reserved() - tokens
+        if self.radix.pinned_tokens > target:
+            return False
+        if self.radix.total_tokens > target:
+            self.radix.evict(target)
+        return True
+
+    def _cache_insert(self, ids: list[int], kv: torch.Tensor, partial: bool = False) -> int:
+        """Insert `ids` (KV ``(L, 2, H, n, D)``) into the radix cache within the budget.
+
+        Evicts first, so the cache never overshoots. Without room the insert is skipped (it is
+        only a cache), or with `partial` the longest prefix that fits goes in. Returns the
+        tokens of `ids` now cached.
+        """
+        have = self.radix.prefix_len(ids)
+        guard = self.radix.lock(ids[:have])  # eviction must not cut the path being extended
+        try:
+            n = len(ids)
+            if not self._make_room(n - have):
+                if not partial:
+                    return have
+                room = max(0, self.kv_budget - self._reserved() - self.radix.pinned_tokens)
+                self._make_room(room)
+                n = have + room
+            if n > have:
+                self.radix.insert(ids[:n], kv[:, :, :, :n])
+            return max(n, have)
+        finally:
+            self.radix.unlock(guard)
+            self._note_kv()
+
+    def _release(self, req: Request) -> None:
+        """`req` no longer holds KV: unpin its radix path."""
+        self.radix.unlock(req.radix_lock)
+        req.radix_lock = None
+
+    def _note_kv(self) -> None:
+        """Publish KV use for `load()` (read by other threads) and track its peak."""
+        self._kv_used = self._kv_held()
+        self._kv_peak = max(self._kv_peak, self._kv_used)
 
     def _kick(self) -> None:
         with self._wake:
@@ -506,7 +601,10 @@ class Engine:
     def _reap_aborted(self) -> None:
         for r in [r for r in self._waiting if r.aborted]:
             self._waiting.remove(r)
+            r.prefill_kv, r.prefill_pos = None, 0
+            self._release(r)
             self._finish(r, {"type": "abort", "message": r.aborted})
+        self._note_kv()
         gone = [i for i, r in enumerate(self._running) if r.aborted]
         if gone:
             reqs = [self._running[i] for i in gone]
@@ -521,6 +619,8 @@ class Engine:
             self._inbox, self._waiting, self._running = [], [], []
         self._batch = None
         for r in reqs:
+            r.prefill_kv, r.prefill_pos = None, 0
+            self._release(r)
             if r.finish_reason is None:
                 self._finish(r, {"type": "abort", "message": message})
 
@@ -553,31 +653,47 @@ class Engine:
         budget = PREFILL_CHUNK
         while self._waiting and budget > 0 and len(self._running) < self.max_batch_size:
             req = self._waiting[0]
+            if req.prefill_kv is None and not self._admit(req):
+                break  # no KV room: it (and everything behind it) waits for room to free
             budget -= self._prefill_chunk(req, budget)
             if req.prefill_kv is None and req.prefill_pos == 0:
                 continue  # finished or admitted: loop picks the next one
             if req.prefill_pos < len(req.kv_ids):
                 break  # partially prefilled; decode a step, then go on
 
-    def _prefill_chunk(self, req: Request, budget: int) -> int:
-        """Advance `req`'s prefill by up to `budget` tokens; admit it when complete."""
+    def _admit(self, req: Request) -> bool:
+        """Start `req`'s prefill if its worst case fits the KV budget (evicting LRU entries).
+
+        Pins the cached prefix it will read, so making room never evicts it; it stays pinned
+        while the request holds KV.
+        """
         from transformers.cache_utils import DynamicCache
 
         ids = req.kv_ids
-        if req.prefill_kv is None:
-            # Reuse the longest cached prefix, but always compute the last input token:
-            # its logits give the first output token.
-            limit = len(ids) - 1 if not req.output_ids else len(ids)
-            n, kv = self.radix.match(ids[:limit]) if limit > 0 else (0, None)
-            if not req.output_ids:
-                req.cached_tokens = n
-                self.stats["engine/cached_tokens"] += n
-            req.kv_epoch = self._epoch
-            cache = DynamicCache()
-            if n:
-                for i in range(self.num_layers):
-                    cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
-            req.prefill_kv, req.prefill_pos = cache, n
+        # Reuse the longest cached prefix, but always compute the last input token:
+        # its logits give the first output token.
+        limit = len(ids) - 1 if not req.output_ids else len(ids)
+        lock = self.radix.lock(ids[:limit]) if limit > 0 else None
+        if not self._make_room(self._footprint(req)):
+            self.radix.unlock(lock)
+            return False
+        req.radix_lock = lock
+        n, kv = self.radix.match(ids[:limit]) if limit > 0 else (0, None)
+        if not req.output_ids:
+            req.cached_tokens = n
+            self.stats["engine/cached_tokens"] += n
+        req.kv_epoch = self._epoch
+        cache = DynamicCache()
+        if n:
+            for i in range(self.num_layers):
+                cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
+        req.prefill_kv, req.prefill_pos = cache, n
+        self._note_kv()
+        return True
+
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Advance an admitted `req`'s prefill by up to `budget` tokens; batch it when complete."""
+        ids = req.kv_ids
         todo = min(budget, len(ids) - req.prefill_pos)
         logits = None
         if todo > 0:
@@ -587,22 +703,26 @@ class Engine:
             logits = self._forward(chunk, pos, req.prefill_kv)
             req.prefill_pos += todo
             self.stats["engine/prefill_tokens"] += todo
+            self._note_kv()
         if req.prefill_pos < len(ids):
             return todo
         # Prefill complete: (L, 2, H, n, D) from the DynamicCache.
         kv = torch.stack(
             [torch.stack([lay.keys[0], lay.values[0]]) for lay in req.prefill_kv.layers]
         )
+        if self._epoch == req.kv_epoch:  # still admitted here, so its worst case stays reserved
+            self._cache_insert(ids, kv)
         req.prefill_kv, req.prefill_pos = None, 0
         self._waiting.remove(req)
-        if self._epoch == req.kv_epoch:
-            self.radix.insert(ids, kv)
         if not req.output_ids:
             reason = self._emit(req, logits[0])
             if reason is not None:
+                self._release(req)
+                self._note_kv()
                 self._finish(req, reason)
                 return todo
         self._add_row(req, kv)
+        self._note_kv()
         return todo
 
     # -- decode
@@ -622,10 +742,12 @@ class Engine:
             kv = self._batch.remove(b)
             self._running[b] = self._running[-1]
             self._running.pop()
+            self._release(r)
             if cache and r.kv_epoch == self._epoch:
-                self.radix.insert(r.kv_ids, kv)
+                self._cache_insert(r.kv_ids, kv)
         if not self._running:
             self._batch = None
+        self._note_kv()
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -636,6 +758,7 @@ class Engine:
         logits = self._forward(tokens, pos, batch.cache(), mask)
         batch.advance(1)
         self.stats["engine/decode_steps"] += 1
+        self._note_kv()
         if type(self)._emit is Engine._emit:  # one batched draw for every row
             picks = sample_batch(
                 logits, [r.params for r in self._running], [r.generator for r in self._running]

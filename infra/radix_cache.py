@@ -2,6 +2,8 @@
 
 Shared across requests and sessions: a new request reuses the KV of the longest cached prefix
 of its input and only prefills the rest. Eviction is LRU over leaves under a token budget.
+A running request pins the prefix it reads (`lock` / `unlock`, a reference count per node, as
+SGLang's ``lock_ref``): eviction never drops a pinned node, whatever the budget asks.
 
 KV layout of one edge: ``(L, 2, H_kv, n, D)`` (layers, key/value, kv heads, tokens, head dim).
 Not thread-safe: the engine touches it from its scheduler thread only.
@@ -15,7 +17,7 @@ import torch
 
 
 class _Node:
-    __slots__ = ("children", "key", "kv", "last_access", "parent")
+    __slots__ = ("children", "key", "kv", "last_access", "lock_ref", "parent")
 
     def __init__(self, key: tuple[int, ...], kv: torch.Tensor | None, parent: _Node | None):
         self.key = key  # token ids on the edge into this node
@@ -23,6 +25,7 @@ class _Node:
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.last_access = 0
+        self.lock_ref = 0  # running requests whose prefix runs through this node
 
 
 def _common_len(a: tuple[int, ...], b: list[int] | tuple[int, ...], start: int) -> int:
@@ -43,6 +46,7 @@ class RadixCache:
         self.max_tokens = max_tokens
         self.root = _Node((), None, None)
         self.total_tokens = 0
+        self.pinned_tokens = 0  # tokens on nodes with lock_ref > 0 (never evicted)
         self._clock = itertools.count(1)
 
     def match(self, ids: list[int] | tuple[int, ...]) -> tuple[int, torch.Tensor | None]:
@@ -66,6 +70,62 @@ class RadixCache:
         if pos == 0:
             return 0, None
         return pos, parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+
+    def prefix_len(self, ids: list[int] | tuple[int, ...]) -> int:
+        """Length of the longest cached prefix of `ids`, without touching LRU order."""
+        node, pos = self.root, 0
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, ids, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
+    def lock(self, ids: list[int] | tuple[int, ...]) -> _Node | None:
+        """Pin the cached path of `ids` against eviction; returns the handle for `unlock`.
+
+        A path ending inside an edge pins that whole edge. None when nothing is cached.
+        """
+        node, pos, last = self.root, 0, None
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, ids, pos)
+            if n == 0:
+                break
+            last, pos = child, pos + n
+            if n < len(child.key):
+                break
+            node = child
+        node = last
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self.pinned_tokens += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return last
+
+    def unlock(self, handle: _Node | None) -> None:
+        """Release a `lock`. A handle from before a `flush` is ignored (its tree is gone)."""
+        if handle is None:
+            return
+        top = handle
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            return
+        node = handle
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix unlock without a matching lock"
+            if node.lock_ref == 0:
+                self.pinned_tokens -= len(node.key)
+            node = node.parent
 
     def insert(self, ids: list[int] | tuple[int, ...], kv: torch.Tensor) -> int:
         """Insert `ids` with their KV ``(L, 2, H, len(ids), D)``; returns new tokens stored."""
@@ -94,6 +154,7 @@ class RadixCache:
         parent = child.parent
         upper = _Node(child.key[:n], child.kv[:, :, :, :n].clone(), parent)
         upper.last_access = child.last_access
+        upper.lock_ref = child.lock_ref  # both halves carry the locks of the whole edge
         parent.children[child.key[0]] = upper
         child.key = child.key[n:]
         child.kv = child.kv[:, :, :, n:].clone()
@@ -102,11 +163,14 @@ class RadixCache:
         return upper
 
     def evict(self, max_tokens: int | None = None) -> int:
-        """Drop least recently used leaves until the cache holds <= budget tokens."""
+        """Drop least recently used unpinned leaves until the cache holds <= budget tokens.
+
+        Stops short of the budget when only pinned nodes are left; returns the tokens freed.
+        """
         budget = self.max_tokens if max_tokens is None else max_tokens
         freed = 0
         while self.total_tokens > budget:
-            leaves = [n for n in self._nodes() if not n.children]
+            leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
             if not leaves:
                 break
             leaves.sort(key=lambda n: n.last_access)
@@ -126,8 +190,10 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def flush(self) -> None:
+        """Drop everything, pinned nodes included (their lockers' handles go stale)."""
         self.root = _Node((), None, None)
         self.total_tokens = 0
+        self.pinned_tokens = 0
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self._nodes())

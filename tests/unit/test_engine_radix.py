@@ -77,3 +77,22 @@ def test_engine_cache_respects_token_budget(tmp_path):
         assert cold["meta_info"]["cached_tokens"] == 0  # oldest was evicted
     finally:
         eng.close()
+
+
+def test_locked_path_survives_eviction_and_splits():
+    rc = RadixCache(max_tokens=100)
+    rc.insert([1, 2, 3, 4], kv_for([1, 2, 3, 4]))  # oldest
+    rc.insert([5, 6, 7, 8], kv_for([5, 6, 7, 8]))
+    handle = rc.lock([1, 2, 3])  # a request reads [1, 2, 3]: the whole edge is pinned
+    assert rc.pinned_tokens == 4
+    rc.insert([1, 2, 9], kv_for([1, 2, 9]))  # splits the pinned edge: both halves stay pinned
+    assert rc.pinned_tokens == 4 and rc.total_tokens == 9
+    assert rc.evict(max_tokens=0) == 5  # [5..8] and the unpinned [9] go; the pinned path stays
+    assert rc.match([1, 2, 3, 4])[0] == 4 and rc.total_tokens == 4
+    rc.unlock(handle)
+    assert rc.pinned_tokens == 0 and rc.evict(max_tokens=0) == 4
+    rc.insert([1, 2], kv_for([1, 2]))
+    stale = rc.lock([1, 2])
+    rc.flush()
+    rc.unlock(stale)  # a handle from before the flush is ignored
+    assert rc.pinned_tokens == 0 and rc.total_tokens == 0

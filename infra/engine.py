@@ -247,8 +247,13 @@ class Engine:
         req.done.wait()
         return self.response(req)
 
-    def response(self, req: Request, *, upto: int | None = None) -> dict:
-        """SGLang `/generate` response for `req` (its first `upto` output tokens if given)."""
+    def response(self, req: Request, *, upto: int | None = None, detokenizer=None) -> dict:
+        """SGLang `/generate` response for `req` (its first `upto` output tokens if given).
+
+        A streamer passes its `IncrementalDetokenizer` with `upto`: the text then costs the new
+        tokens only, and may hold back the last few until a UTF-8 character completes. Without
+        `upto` the text is one full decode, so a stream ends exactly as a plain call does.
+        """
         n = len(req.output_ids) if upto is None else upto
         out = req.output_ids[:n]
         meta = {
@@ -268,7 +273,12 @@ class Engine:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], out, strict=False)
             ]
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            text = ""
+        elif upto is not None and detokenizer is not None:
+            text = detokenizer.update(out)
+        else:
+            text = self.tokenizer.decode(out)
         matched = (req.finish_reason or {}).get("matched") if upto is None else None
         if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
             text = text[: text.index(matched)]  # SGLang trims the stop string from `text`

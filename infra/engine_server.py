@@ -4,7 +4,9 @@ Field names follow SGLang 0.5.x (DESIGN.md §5) so that `EngineClient`, the gate
 SGLang adapter treat this server and a real SGLang server alike. Streaming (`"stream": true`)
 sends Server-Sent Events ``data: {...}`` where each chunk is the full response so far
 (cumulative ``text``, ``output_ids`` and ``output_token_logprobs``, as SGLang does without
-``--stream-output``); the last chunk carries ``finish_reason``, then ``data: [DONE]``.
+``--stream-output``); the last chunk carries ``finish_reason``, then ``data: [DONE]``. Chunk
+text is detokenized incrementally (`infra.detokenizer`), each chunk's a prefix of the next's;
+the last chunk's is the full decode, exactly a non-streamed call's text.
 
 gyre extensions live under ``/gyre/``: ``POST /gyre/kv/export {input_ids}`` answers the KV blob
 (``application/octet-stream``), ``POST /gyre/kv/import`` takes one and answers
@@ -30,6 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from infra.detokenizer import IncrementalDetokenizer
 from infra.engine import Engine, EngineInputError
 from infra.kv_transfer import KVFormatError
 
@@ -98,12 +101,15 @@ def build_app(engine: Engine) -> Starlette:
 
         async def events():
             sent = 0
+            detok = IncrementalDetokenizer(engine.tokenizer) if engine.tokenizer else None
             try:
                 while True:
                     finished = req.done.is_set()
                     n = len(req.output_ids)
                     if finished or n > sent:
-                        chunk = engine.response(req, upto=None if finished else n)
+                        chunk = engine.response(
+                            req, upto=None if finished else n, detokenizer=detok
+                        )
                         sent = n
                         yield f"data: {json.dumps(chunk)}\n\n"
                     if finished:

@@ -1,6 +1,7 @@
 """The embedded engine over real HTTP (uvicorn on loopback) through `EngineClient`."""
 
 import asyncio
+import itertools
 import time
 
 import httpx
@@ -78,6 +79,27 @@ def test_stream_matches_non_stream(server):
     assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
     lens = [len(ch["output_ids"]) for ch in chunks]
     assert lens == sorted(lens)  # cumulative
+
+
+def test_stream_text_is_incremental_and_ends_as_the_full_decode(server):
+    """Sampled outputs of a random model: plenty of byte tokens that split UTF-8 characters."""
+    url, eng = server
+
+    async def go():
+        async with EngineClient(url) as c:
+            runs = []
+            for seed in range(4):
+                sp = {"max_new_tokens": 48, "temperature": 1.0, "sampling_seed": seed}
+                full = await c.generate(PROMPT, sp | {"ignore_eos": True})
+                chunks = [ch async for ch in c.generate_stream(PROMPT, sp | {"ignore_eos": True})]
+                runs.append((full, chunks))
+            return runs
+
+    for full, chunks in run(go()):
+        assert chunks[-1]["output_ids"] == full["output_ids"]
+        assert chunks[-1]["text"] == full["text"] == eng.tokenizer.decode(full["output_ids"])
+        texts = [ch["text"] for ch in chunks]
+        assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
 
 
 def test_raw_sse_framing(server):

@@ -1,0 +1,341 @@
+"""Elastic Scheduler core: state, events, decisions and the coordinator.
+
+Policy vs mechanism (STYLE.md habit 4, cf. dask's ``AdaptiveCore``): a policy
+(see ``tasks/modes.py``) looks at a frozen :class:`SchedState` and returns
+decisions as plain data (``Move``, ``LoadWeights``, ``StartStep``,
+``StartRollouts``). An executor — the discrete-event simulator here, Dask cells
+later — carries them out and reports back with events. The
+:class:`Coordinator` is the only thing with state, and it changes only through
+``handle(event) -> decisions``, so the same policy drives 8 CPU cells and 1,000
+simulated GPUs, and is tested without a cluster.
+
+Bookkeeping happens at decision time: a ``StartRollouts`` counts its sessions at
+once, a ``Move`` of a rollout cell re-assigns (reserves) its sessions to the
+cells named in ``reroute`` at once, a ``StartStep`` takes its samples off the
+water level at once. Completion events only close what a decision opened.
+
+Pure module: no prefect, no distributed, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Role = Literal["rollout", "train", "draining", "loading"]
+
+
+@dataclass(frozen=True, slots=True)
+class CellView:
+    """One cell as the policy sees it.
+
+    ``busy``: a train cell is inside an optimizer step, or a rollout cell is
+    loading new weights (its sessions are paused). ``sessions`` counts live
+    agent sessions assigned to the cell (including ones rerouted to it and not
+    yet arrived). ``target`` is where a draining/loading cell is going.
+    """
+
+    id: int
+    role: Role
+    busy: bool = False
+    sessions: int = 0
+    weight_version: int = 0
+    since: float = 0.0
+    target: Role | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedState:
+    """Snapshot the policies decide on.
+
+    ``water_level``: finished samples not yet trained. ``finished_prefix``: the
+    longest prefix of rollouts (by start index) that have all finished — what a
+    batch-synchronous mode needs to know a batch is complete. ``started`` and
+    ``trained`` count rollouts; ``version`` is the newest policy version.
+    ``finish_rate``: rollouts finishing per second, smoothed over
+    ``Coordinator.rate_tau_s`` — what the elastic policy sizes training by.
+    """
+
+    now: float
+    cells: tuple[CellView, ...]
+    cap: int
+    water_level: int
+    in_flight: int
+    started: int
+    trained: int
+    finished_prefix: int
+    version: int
+    step_running: bool
+    finish_rate: float = 0.0
+
+    def count(self, role: Role) -> int:
+        return sum(1 for c in self.cells if c.role == role)
+
+
+# ---- decisions (plain data) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartRollouts:
+    """Start ``n`` new agent sessions on rollout cell ``cell``."""
+
+    cell: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Change ``cell``'s role at its next boundary.
+
+    A rollout cell leaves between requests of its sessions: each session's next
+    call goes to the cell named in ``reroute`` (``(cell, n_sessions)`` pairs,
+    covering all its sessions). A train cell leaves only between optimizer
+    steps (the policy never moves a busy one).
+    """
+
+    cell: int
+    to: Literal["rollout", "train"]
+    at: Literal["boundary"] = "boundary"
+    reroute: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """Load policy ``version`` into rollout cell ``cell`` (its sessions pause)."""
+
+    cell: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartStep:
+    """One optimizer step over ``cells`` (the DP members) on ``samples`` samples.
+
+    ``order``: ``"index"`` trains the next rollouts by start index (a batch
+    whose every member finished), ``"finish"`` the oldest finished ones
+    (streaming).
+    """
+
+    cells: tuple[int, ...]
+    samples: int
+    order: Literal["index", "finish"] = "finish"
+
+
+Decision = StartRollouts | Move | LoadWeights | StartStep
+
+
+# ---- events (what the executor reports) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed; the coordinator asks the policy for decisions."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutFinished:
+    """Rollout number ``index`` ended (done or timed out; either way scored)."""
+
+    cell: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoveDone:
+    """``cell`` finished its role change (drain/load) and now has its new role."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    cell: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished:
+    cells: tuple[int, ...]
+
+
+Event = Tick | RolloutFinished | MoveDone | WeightsLoaded | StepFinished
+
+
+class Policy(Protocol):
+    """The verbs every scheduling mode has (no base class; see tasks/modes.py)."""
+
+    name: str
+
+    def initial_roles(self, n_cells: int) -> tuple[Role, ...]: ...
+
+    def recommendations(self, state: SchedState) -> list[Decision]: ...
+
+
+# ---- the coordinator -----------------------------------------------------------------
+
+
+@dataclass
+class _Cell:
+    role: Role
+    busy: bool = False
+    sessions: int = 0
+    weight_version: int = 0
+    since: float = 0.0
+    target: Role | None = None
+
+
+@dataclass
+class Coordinator:
+    """Holds the scheduler's state; changes only through :meth:`handle`.
+
+    ``handle(Tick)`` returns the policy's decisions (already booked in the
+    state); other events only update the state and return ``[]``, so an
+    executor may feed many events and then one tick.
+    """
+
+    policy: Policy
+    n_cells: int
+    cap: int
+    now: float = 0.0
+    water_level: int = 0
+    in_flight: int = 0
+    started: int = 0
+    trained: int = 0
+    version: int = 0
+    step_running: bool = False
+    finish_rate: float = 0.0
+    rate_tau_s: float = 1800.0
+    _finished_since_tick: int = 0
+    _cells: list[_Cell] = field(default_factory=list)
+    _finished: set[int] = field(default_factory=set)
+    finished_prefix: int = 0
+    # CellViews are rebuilt only for cells changed since the last snapshot, so a
+    # tick over 1,000 cells costs O(changed), not O(n) object constructions
+    _views: list[CellView] = field(default_factory=list)
+    _dirty: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.n_cells < 1 or self.cap < 1:
+            raise ValueError(f"need n_cells >= 1 and cap >= 1, got {self.n_cells}, {self.cap}")
+        roles = self.policy.initial_roles(self.n_cells)
+        self._cells = [_Cell(role=r) for r in roles]
+        self._views = [self._view(i) for i in range(self.n_cells)]
+
+    # -- views
+    def _view(self, i: int) -> CellView:
+        c = self._cells[i]
+        return CellView(i, c.role, c.busy, c.sessions, c.weight_version, c.since, c.target)
+
+    def state(self) -> SchedState:
+        for i in self._dirty:
+            self._views[i] = self._view(i)
+        self._dirty.clear()
+        return SchedState(
+            now=self.now,
+            cells=tuple(self._views),
+            cap=self.cap,
+            water_level=self.water_level,
+            in_flight=self.in_flight,
+            started=self.started,
+            trained=self.trained,
+            finished_prefix=self.finished_prefix,
+            version=self.version,
+            step_running=self.step_running,
+            finish_rate=self.finish_rate,
+        )
+
+    def cell(self, i: int) -> CellView:
+        return self._view(i)
+
+    # -- the one entry
+    def handle(self, event: Event) -> list[Decision]:
+        if isinstance(event, Tick):
+            dt = event.now - self.now
+            if dt > 0:
+                a = 1.0 - math.exp(-dt / self.rate_tau_s)
+                self.finish_rate += a * (self._finished_since_tick / dt - self.finish_rate)
+                self._finished_since_tick = 0
+            self.now = max(self.now, event.now)
+            decisions = self.policy.recommendations(self.state())
+            for d in decisions:
+                self._book(d)
+            return decisions
+        if isinstance(event, RolloutFinished):
+            self._dirty.add(event.cell)
+            c = self._cells[event.cell]
+            assert c.sessions > 0, f"cell {event.cell} has no session to finish"
+            c.sessions -= 1
+            self.in_flight -= 1
+            self.water_level += 1
+            self._finished_since_tick += 1
+            self._finished.add(event.index)
+            while self.finished_prefix in self._finished:
+                self._finished.discard(self.finished_prefix)
+                self.finished_prefix += 1
+        elif isinstance(event, MoveDone):
+            self._dirty.add(event.cell)
+            c = self._cells[event.cell]
+            assert c.target is not None, f"cell {event.cell} was not moving"
+            c.role, c.target, c.busy = c.target, None, False
+            # a cell joining rollout gets the newest weights first; a train cell
+            # holds the newest weights by construction
+            c.weight_version = self.version
+        elif isinstance(event, WeightsLoaded):
+            self._dirty.add(event.cell)
+            c = self._cells[event.cell]
+            c.busy = False
+            c.weight_version = max(c.weight_version, event.version)
+        elif isinstance(event, StepFinished):
+            self.step_running = False
+            self.version += 1
+            self._dirty.update(event.cells)
+            for i in event.cells:
+                self._cells[i].busy = False
+                self._cells[i].weight_version = self.version
+        else:  # pragma: no cover - typing guards this
+            raise TypeError(f"unknown event {event!r}")
+        return []
+
+    def _book(self, d: Decision) -> None:
+        if isinstance(d, StartRollouts):
+            self._dirty.add(d.cell)
+            c = self._cells[d.cell]
+            assert c.role == "rollout" and not c.busy, f"rollouts on unavailable cell {d.cell}"
+            assert c.sessions + d.n <= self.cap, f"cell {d.cell} over its concurrency cap"
+            c.sessions += d.n
+            self.in_flight += d.n
+            self.started += d.n
+        elif isinstance(d, Move):
+            self._dirty.add(d.cell)
+            self._dirty.update(t for t, _ in d.reroute)
+            c = self._cells[d.cell]
+            assert not c.busy, f"Move of busy cell {d.cell} (boundary dispatch)"
+            assert c.role in ("rollout", "train") and c.role != d.to
+            assert sum(n for _, n in d.reroute) == c.sessions, "reroute must cover all sessions"
+            for t, n in d.reroute:
+                tc = self._cells[t]
+                assert tc.role == "rollout" and t != d.cell
+                tc.sessions += n
+            c.sessions = 0
+            c.role = "draining" if c.role == "rollout" else "loading"
+            c.target = d.to
+            c.since = self.now
+        elif isinstance(d, LoadWeights):
+            self._dirty.add(d.cell)
+            c = self._cells[d.cell]
+            assert c.role == "rollout" and not c.busy
+            c.busy = True
+        elif isinstance(d, StartStep):
+            assert not self.step_running, "one optimizer step at a time"
+            assert d.samples <= self.water_level
+            self._dirty.update(d.cells)
+            for i in d.cells:
+                c = self._cells[i]
+                assert c.role == "train" and not c.busy, f"cell {i} cannot join a step"
+                c.busy = True
+            self.step_running = True
+            self.water_level -= d.samples
+            self.trained += d.samples

@@ -163,8 +163,14 @@ class Elastic:
         )
         # a step's members are fixed at its start: wait until enough cells have
         # joined to keep up with the rollouts (a 1-member step on a 1,000-cell
-        # batch would hold training for days)
-        if not stepping and level >= self.batch and idle_train and len(idle_train) >= want:
+        # batch would hold training for days) -- unless no more can ever join
+        can_grow = (
+            self.move_step > 0
+            and n_train < m_best
+            and any(c.role == "rollout" for c in s.cells[self.core :])
+        )
+        enough = len(idle_train) >= want or not can_grow
+        if not stepping and level >= self.batch and idle_train and enough:
             members = tuple(c.id for c in idle_train[:m_best])
             out.append(StartStep(members, self.batch, order="finish"))
             level -= self.batch

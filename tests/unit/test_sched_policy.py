@@ -207,3 +207,15 @@ def test_coordinator_books_decisions_and_checks_boundaries():
     assert co.state().water_level == 0 and co.state().step_running
     with pytest.raises(AssertionError, match="boundary"):
         co._book(Move(3, "rollout"))  # a train cell mid-step cannot leave
+
+
+def test_elastic_waits_for_members_only_while_more_can_join():
+    pol = elastic(batch=1000, train_s_per_sample=60.0, dp_sync_s=2.0, min_dwell_s=1e9)
+    cells = [CellView(i, "rollout", sessions=4) for i in range(6)] + [CellView(6, "train")]
+    # training must grow to keep up (rate 1/s): a lone member does not start the step
+    d = pol.recommendations(state(cells, water_level=1000, finish_rate=1.0))
+    assert not any(isinstance(x, StartStep) for x in d)
+    # nobody can ever join (no non-core rollout cell left): step with what there is
+    cells = [CellView(0, "rollout"), CellView(1, "rollout"), CellView(2, "train")]
+    d = pol.recommendations(state(cells, water_level=1000, finish_rate=1.0))
+    assert StartStep((2,), 1000, order="finish") in d

@@ -683,11 +683,10 @@ class Engine:
         # Reuse the longest cached prefix, but always compute the last input token:
         # its logits give the first output token.
         limit = len(ids) - 1 if not req.output_ids else len(ids)
-        lock = self.radix.lock(ids[:limit]) if limit > 0 else None
+        req.radix_lock = self.radix.lock(ids[:limit]) if limit > 0 else None
         if not self._make_room(self._footprint(req)):
-            self.radix.unlock(lock)
+            self._release(req)
             return False
-        req.radix_lock = lock
         n, kv = self.radix.match(ids[:limit]) if limit > 0 else (0, None)
         if not req.output_ids:
             req.cached_tokens = n

@@ -81,6 +81,14 @@ def test_stream_matches_non_stream(server):
     assert lens == sorted(lens)  # cumulative
 
 
+def test_server_info_reports_kv_budget_use(server):
+    url, eng = server
+    eng.generate(PROMPT, GREEDY)
+    info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+    assert info["kv_tokens_budget"] == eng.kv_budget
+    assert 0 < info["kv_tokens_used"] <= info["kv_tokens_peak"] <= info["kv_tokens_budget"]
+
+
 def test_stream_text_is_incremental_and_ends_as_the_full_decode(server):
     """Sampled outputs of a random model: plenty of byte tokens that split UTF-8 characters."""
     url, eng = server

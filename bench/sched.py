@@ -70,7 +70,7 @@ def run_scale(w: Workload, seeds: list[int], splits: list[float]) -> dict[str, d
 
 def table(title: str, res: dict[str, dict[str, float]]) -> str:
     head = ["mode"] + [c[1] for c in COLS]
-    rows = [[m] + [fmt.format(res[m][k]) for k, _, fmt in COLS] for m in MODES]
+    rows = [[m] + [fmt.format(res[m][k]) for k, _, fmt in COLS] for m in res]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths, strict=True))  # noqa: E731
     return "\n".join([title, line(head), *(line(r) for r in rows)])
@@ -115,6 +115,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     figures["sessions_broken_elastic"] = max(
         figures["sessions_broken_elastic_8cells"], figures["sessions_broken_elastic_1000cells"]
     )
+    # ablation (8 cells and 1,000 cells): what role moves and KV moves add on top
+    # of streaming training alone
+    for tag, w, seeds in (("8cells", small, small_seeds), ("1000cells", big, big_seeds)):
+        k = int(figures[f"async_rollout_cells_{tag}"])
+        full = default_policies(w)["elastic"]
+        static = dataclasses.replace(full, move_step=0, min_train=w.cells - k)
+        rows = {
+            "elastic": _median(full, w, seeds),
+            f"elastic, no role moves ({k}/{w.cells - k})": _median(static, w, seeds),
+            "elastic, re-prefill (no KV move)": _median(
+                full, dataclasses.replace(w, kv_move=False), seeds
+            ),
+        }
+        print(table(f"\n== ablation, {w.cells} cells", rows))
+        base = rows["elastic"]["samples_per_hour"]
+        for name, r in rows.items():
+            if name != "elastic" and base:
+                key = "no_role_moves" if "role" in name else "reprefill"
+                figures[f"ablation_{key}_over_elastic_{tag}"] = r["samples_per_hour"] / base
+        detail[f"ablation_{tag}"] = rows
     figures["wall_s"] = time.perf_counter() - t0
 
     print("\n== figures (seed paper: 1.85x vs colocate, 1.78x vs async, on its own workload)")

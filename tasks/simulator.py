@@ -114,6 +114,7 @@ class Simulator:
         # physical view of the cells (the coordinator holds the logical one)
         self.role = [c.role for c in self.coord.state().cells]
         self.loading = [False] * n
+        self.load_until = [0.0] * n
         self.stepping = [False] * n
         self.phys = [0] * n  # sessions physically on the cell
         self.version_on = [0] * n  # weights loaded on the cell
@@ -238,6 +239,7 @@ class Simulator:
         elif isinstance(d, LoadWeights):
             self.stats["weight_loads"] += 1
             self._change(d.cell, "loading", True)
+            self.load_until[d.cell] = self.now + w.weight_load_s
             self._pause_all(d.cell, w.weight_load_s)
             self._push(self.now + w.weight_load_s, "loaded", (d.cell, d.version))
         elif isinstance(d, StartStep):
@@ -285,6 +287,8 @@ class Simulator:
             self.coord.handle(RolloutFinished(s[1], idx))
             return
         cost = self.w.migrate_s if self.w.kv_move else self.w.reprefill_s
+        if self.loading[tgt]:  # arrives while the target loads weights: waits for it too
+            cost += max(0.0, self.load_until[tgt] - self.now)
         s[0] = tgt
         s[2] += cost
         s[4] += 1

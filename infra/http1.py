@@ -65,6 +65,7 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self.eof = False
         self.exc: BaseException | None = None
+        self.idle_since = 0.0
 
     # -- protocol callbacks (event loop) ---------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -186,7 +187,7 @@ class Http1Pool:
 
     ``request`` and ``stream`` are the two verbs; both run on the caller's event loop. Up to
     ``max_connections`` requests run at once (others wait); up to ``max_idle`` idle connections
-    are kept for reuse.
+    are kept for reuse, each for at most ``max_idle_s`` seconds.
     """
 
     def __init__(
@@ -197,6 +198,7 @@ class Http1Pool:
         read_timeout: float = 600.0,
         max_connections: int = 256,
         max_idle: int = 64,
+        max_idle_s: float = 3.0,
     ):
         u = urlsplit(base_url)
         if u.scheme != "http":
@@ -208,6 +210,7 @@ class Http1Pool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
+        self.max_idle_s = max_idle_s  # uvicorn (SGLang, EngineServer) closes idle ones at 5 s
         self._idle: list[_Conn] = []
         self._sem = asyncio.Semaphore(max_connections)
         self._closed = False
@@ -231,14 +234,18 @@ class Http1Pool:
         while self._idle:
             conn = self._idle.pop()
             # The loop may not have seen the server's FIN yet: a readable idle socket means
-            # EOF (or stray bytes), either way not reusable.
-            if conn.usable and not conn.buf and not _readable(conn.sock):
+            # EOF (or stray bytes), either way not reusable. A connection idle for nearly the
+            # server's keep-alive timeout is dropped too: the server may close it while our
+            # request is on the way (a reset; for a POST, an error rather than a retry).
+            fresh = conn.loop.time() - conn.idle_since < self.max_idle_s
+            if fresh and conn.usable and not conn.buf and not _readable(conn.sock):
                 return conn
             conn.close()
         return await self._connect(timeout)
 
     def _release(self, conn: _Conn, reusable: bool) -> None:
         if reusable and not self._closed and conn.usable and len(self._idle) < self.max_idle:
+            conn.idle_since = conn.loop.time()
             self._idle.append(conn)
         else:
             conn.close()

@@ -194,3 +194,21 @@ def test_large_binary_body_both_ways():
         return r
 
     assert asyncio.run(go()).body == blob[::-1]
+
+
+def test_connection_idle_too_long_is_replaced():
+    async def answer(head, body, w):
+        w.write(_fixed(200, b"ok"))
+
+    async def go():
+        srv, url, conns = await _serve(answer)
+        pool = Http1Pool(url, max_idle_s=0.05)
+        await pool.request("GET", "/a")
+        await pool.request("GET", "/b")  # reused at once
+        await asyncio.sleep(0.1)
+        await pool.request("GET", "/c")  # older than max_idle_s: a new connection
+        await pool.aclose()
+        srv.close()
+        return conns
+
+    assert asyncio.run(go()) == [2, 1]

@@ -1,11 +1,13 @@
 """Async HTTP client for the SGLang-native engine API: the only way anything reaches an engine.
 
 Works against the embedded `EngineServer` and a real SGLang server alike (same paths, same
-field names). One keep-alive `httpx.AsyncClient` per client. Connection failures (refused,
-reset, connect timeout) are retried a bounded number of times with backoff and logged with the
-attempt count; everything else — a 4xx/5xx answer, a read timeout mid-generation — raises
-`EngineError` carrying the server's message and status, because a generation may already have
-run and must not be silently repeated.
+field names). Requests go through `infra.http1.Http1Pool`, a minimal keep-alive HTTP/1.1
+client on raw asyncio (httpx cost ~1.5 ms of event-loop CPU per call, most of the gateway's
+own overhead); ``https://`` URLs and tests' injected transports go through httpx. Connection
+failures (refused, reset, connect timeout) are retried a bounded number of times with backoff
+and logged with the attempt count; everything else — a 4xx/5xx answer, a read timeout
+mid-generation — raises `EngineError` carrying the server's message and status, because a
+generation may already have run and must not be silently repeated.
 """
 
 from __future__ import annotations
@@ -14,13 +16,41 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
 
-import httpx
+from infra.http1 import ConnectFailed, Disconnected, Http1Pool, HttpError, Response
+
+if TYPE_CHECKING:
+    import httpx
+
+try:  # orjson comes with prefect; ~5x faster on token-id lists. Same output, else json.
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # e.g. numpy scalars, which json handles differently
+            return json.dumps(obj).encode()
+
+    def _loads(raw: bytes) -> Any:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:  # NaN / Infinity, which json accepts
+            return json.loads(raw)
+
+except ImportError:  # pragma: no cover
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj).encode()
+
+    _loads = json.loads
 
 log = logging.getLogger(__name__)
 
 CONNECT_RETRIES = 4
 BACKOFF_S = 0.25
+JSON = "application/json"
 
 
 class EngineError(RuntimeError):
@@ -33,11 +63,11 @@ class EngineError(RuntimeError):
         self.server_message = message
 
 
-def _message(resp: httpx.Response) -> str:
+def _message(resp: Response) -> str:
     try:
-        body = resp.json()
+        body = _loads(resp.body)
     except ValueError:
-        return resp.text or resp.reason_phrase
+        return resp.body.decode("utf-8", "replace") or resp.reason
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
@@ -47,6 +77,58 @@ def _message(resp: httpx.Response) -> str:
         if "detail" in body:
             return str(body["detail"])
     return json.dumps(body)
+
+
+class _HttpxPool:
+    """`Http1Pool`'s two verbs over httpx (an injected transport such as tests'
+    ``MockTransport``, or https), with httpx's errors mapped onto `infra.http1`'s."""
+
+    def __init__(self, base_url: str, transport, connect_timeout: float, read_timeout: float):
+        import httpx
+
+        self._httpx = httpx
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    def _error(self, e: Exception) -> HttpError:
+        httpx = self._httpx
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+            return ConnectFailed(repr(e))
+        if isinstance(e, httpx.RemoteProtocolError):
+            return Disconnected(repr(e))
+        return HttpError(repr(e))
+
+    def _args(self, body, content_type, timeout) -> dict:
+        kw: dict = {"content": body}
+        if body is not None:
+            kw["headers"] = {"content-type": content_type}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        return kw
+
+    async def request(self, method, path, body=None, *, content_type=JSON, timeout=None):
+        try:
+            r = await self._http.request(method, path, **self._args(body, content_type, timeout))
+        except self._httpx.HTTPError as e:
+            raise self._error(e) from e
+        return Response(r.status_code, r.reason_phrase, dict(r.headers), r.content)
+
+    async def stream(self, method, path, body=None, *, content_type=JSON, timeout=None):
+        try:
+            kw = self._args(body, content_type, timeout)
+            async with self._http.stream(method, path, **kw) as r:
+                yield Response(r.status_code, r.reason_phrase, dict(r.headers), b"")
+                async for part in r.aiter_bytes():
+                    yield part
+        except self._httpx.HTTPError as e:
+            raise self._error(e) from e
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
 
 class EngineClient:
@@ -59,25 +141,29 @@ class EngineClient:
         timeout: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
-        """`transport` replaces the network (tests pass an `httpx.MockTransport`)."""
+        """`transport` replaces the network with an httpx transport (tests pass an
+        `httpx.MockTransport`; ``httpx.AsyncHTTPTransport()`` is the former httpx path)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-            transport=transport,
-        )
+        connect = min(10.0, timeout)
+        if transport is None and self.base_url.startswith("http://"):
+            self._http = Http1Pool(
+                self.base_url, connect_timeout=connect, read_timeout=timeout, max_idle=64
+            )
+        else:
+            self._http = _HttpxPool(self.base_url, transport, connect, timeout)
 
     # ------------------------------------------------------------------ transport
-    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, body: bytes | None = None, content_type: str = JSON
+    ) -> Response:
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
-                resp = await self._http.request(method, path, **kwargs)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
-                # A RemoteProtocolError may come after the server took the request: retry it
-                # only for reads, never a POST that may have generated.
-                if isinstance(e, httpx.RemoteProtocolError) and method != "GET":
+                resp = await self._http.request(method, path, body, content_type=content_type)
+            except (ConnectFailed, Disconnected) as e:
+                # A disconnect may come after the server took the request: retry it only for
+                # reads, never a POST that may have generated.
+                if isinstance(e, Disconnected) and method != "GET":
                     raise EngineError(f"{method} {path} failed: {e!r}", url=self.base_url) from e
                 if attempt == CONNECT_RETRIES:
                     raise EngineError(
@@ -93,18 +179,19 @@ class EngineClient:
                 )
                 await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1))
                 continue
-            except httpx.HTTPError as e:
+            except HttpError as e:
                 raise EngineError(f"{method} {path} failed: {e!r}", url=self.base_url) from e
-            if resp.status_code >= 400:
-                raise EngineError(_message(resp), status=resp.status_code, url=self.base_url)
+            if resp.status >= 400:
+                raise EngineError(_message(resp), status=resp.status, url=self.base_url)
             return resp
         raise AssertionError("unreachable")
 
-    async def _json(self, method: str, path: str, **kwargs) -> dict:
-        resp = await self._request(method, path, **kwargs)
-        if not resp.content:
+    async def _json(self, method: str, path: str, payload: dict | None = None) -> dict:
+        body = None if payload is None else _dumps(payload)
+        resp = await self._request(method, path, body)
+        if not resp.body:
             return {}
-        return resp.json()
+        return _loads(resp.body)
 
     # ------------------------------------------------------------------ generation
     @staticmethod
@@ -129,7 +216,7 @@ class EngineClient:
     ) -> dict:
         """POST /generate; returns the response JSON (output_ids, meta_info, text)."""
         payload = self._payload(input_ids, sampling_params, rid, return_logprob, False)
-        return await self._json("POST", "/generate", json=payload)
+        return await self._json("POST", "/generate", payload)
 
     async def generate_stream(
         self,
@@ -140,24 +227,28 @@ class EngineClient:
         return_logprob: bool = True,
     ) -> AsyncIterator[dict]:
         """POST /generate with stream: yields each SSE chunk dict (cumulative), last one final."""
-        payload = self._payload(input_ids, sampling_params, rid, return_logprob, True)
+        body = _dumps(self._payload(input_ids, sampling_params, rid, return_logprob, True))
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
-                async with self._http.stream("POST", "/generate", json=payload) as resp:
-                    if resp.status_code >= 400:
-                        await resp.aread()
-                        raise EngineError(
-                            _message(resp), status=resp.status_code, url=self.base_url
-                        )
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        yield json.loads(data)
+                async with aclosing(self._http.stream("POST", "/generate", body)) as parts:
+                    resp = await anext(parts)
+                    if resp.status >= 400:
+                        resp.body = b"".join([p async for p in parts])
+                        raise EngineError(_message(resp), status=resp.status, url=self.base_url)
+                    pending = b""
+                    async for part in parts:
+                        lines = (pending + part).split(b"\n")
+                        pending = lines.pop()  # an incomplete line waits for the next part
+                        for line in lines:
+                            if line.startswith(b"data:"):
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    return
+                                yield _loads(data)
+                    if pending.startswith(b"data:") and pending[5:].strip() != b"[DONE]":
+                        yield _loads(pending[5:].strip())  # a last line without its newline
                 return
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            except ConnectFailed as e:
                 if attempt == CONNECT_RETRIES:
                     raise EngineError(
                         f"cannot reach engine after {attempt} attempts: {e!r}", url=self.base_url
@@ -170,19 +261,19 @@ class EngineClient:
                     e,
                 )
                 await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1))
-            except httpx.HTTPError as e:
+            except HttpError as e:
                 raise EngineError(f"stream failed: {e!r}", url=self.base_url) from e
 
     # ------------------------------------------------------------------ control
     async def abort(self, rid: str) -> None:
         """Abort requests whose rid starts with `rid` (SGLang matches by prefix)."""
-        await self._request("POST", "/abort_request", json={"rid": rid})
+        await self._request("POST", "/abort_request", _dumps({"rid": rid}))
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._request("POST", "/pause_generation", json={"mode": mode})
+        await self._request("POST", "/pause_generation", _dumps({"mode": mode}))
 
     async def continue_(self) -> None:
-        await self._request("POST", "/continue_generation", json={})
+        await self._request("POST", "/continue_generation", b"{}")
 
     async def update_weights_from_disk(
         self,
@@ -200,7 +291,7 @@ class EngineClient:
         }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return await self._json("POST", "/update_weights_from_disk", json=payload)
+        return await self._json("POST", "/update_weights_from_disk", payload)
 
     async def flush_cache(self) -> None:
         try:
@@ -212,10 +303,10 @@ class EngineClient:
 
     async def health(self) -> bool:
         try:
-            resp = await self._http.get("/health", timeout=5.0)
-        except httpx.HTTPError:
+            resp = await self._http.request("GET", "/health", timeout=5.0)
+        except HttpError:
             return False
-        return resp.status_code == 200
+        return resp.status == 200
 
     async def model_info(self) -> dict:
         """``/get_model_info``, with ``max_context_length`` filled in from
@@ -240,18 +331,17 @@ class EngineClient:
 
     async def export_kv(self, input_ids: list[int]) -> bytes:
         """gyre extension: the serialized KV of the engine's longest cached prefix of ids."""
-        resp = await self._request("POST", "/gyre/kv/export", json={"input_ids": list(input_ids)})
-        return resp.content
+        resp = await self._request(
+            "POST", "/gyre/kv/export", _dumps({"input_ids": list(input_ids)})
+        )
+        return resp.body
 
     async def import_kv(self, blob: bytes) -> int:
         """gyre extension: load an exported prefix into the engine's cache; returns tokens."""
         resp = await self._request(
-            "POST",
-            "/gyre/kv/import",
-            content=blob,
-            headers={"content-type": "application/octet-stream"},
+            "POST", "/gyre/kv/import", bytes(blob), "application/octet-stream"
         )
-        return int(resp.json()["imported_tokens"])
+        return int(_loads(resp.body)["imported_tokens"])
 
     async def aclose(self) -> None:
         await self._http.aclose()

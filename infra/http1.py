@@ -153,8 +153,11 @@ class _Conn(asyncio.Protocol):
 
 
 def _readable(sock) -> bool:
+    """Whether ``sock`` has bytes or EOF waiting (poll, not select: no 1024-fd limit)."""
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN)
+        return bool(p.poll(0))
     except (OSError, ValueError):
         return True
 

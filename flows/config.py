@@ -90,11 +90,21 @@ class RunConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
+        problems = []
         if self.model.path is not None and not Path(self.model.path).is_dir():
-            raise ValueError(
+            problems.append(
                 f"model.path={self.model.path!r}: no such directory; "
                 "give a local HF checkpoint dir or leave it unset for the tiny model"
             )
+        # the engine admits a call only if its input + max_new_tokens fit its KV budget
+        if self.model.kv_cache_tokens < 8 * self.rollout.max_new_tokens:
+            problems.append(
+                f"model.kv_cache_tokens={self.model.kv_cache_tokens}: too small for "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} (calls would be refused); "
+                f"set it to at least {8 * self.rollout.max_new_tokens} plus the context you expect"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

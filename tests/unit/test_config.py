@@ -55,3 +55,8 @@ def test_config_is_frozen():
     cfg = load_config()
     with pytest.raises(Exception):  # noqa: B017  (pydantic's frozen error type)
         cfg.train.steps = 9  # type: ignore[misc]
+
+
+def test_kv_budget_checked_against_max_new_tokens():
+    with pytest.raises(ConfigError, match=r"model\.kv_cache_tokens=2048: too small"):
+        load_config(overrides=["model.kv_cache_tokens=2048", "rollout.max_new_tokens=4096"])

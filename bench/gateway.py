@@ -13,7 +13,10 @@ paths, ``added_p50/p99 = gateway - direct`` percentiles, and ``own_p50/p99``: pe
 gateway's end-to-end latency minus the engine round trip the gateway itself measured (header
 ``x-gyre-engine-ms``) — the gateway's own cost, free of engine-time noise.
 
-    python bench/gateway.py [--quick] [--json PATH]
+``--compare-httpx`` adds a path ``gateway_httpx``: the same gateway with its `EngineClient`
+on the former httpx transport, side by side with the default raw-asyncio one (`infra.http1`).
+
+    python bench/gateway.py [--quick] [--compare-httpx] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def _serve_gateway(args) -> None:
     from infra.gateway import Gateway
     from storage.store import Store
 
+    if args.httpx_client:  # the former transport, for --compare-httpx
+        import httpx
+
+        import infra.router
+        from infra.engine_client import EngineClient
+
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        infra.router.EngineClient = lambda url: EngineClient(
+            url, transport=httpx.AsyncHTTPTransport(limits=limits)
+        )
     gw = Gateway(
         Store(args.store),
         run_id="bench",
@@ -88,7 +101,11 @@ async def _run_level(
     """Each path's latencies at ``conc`` concurrent sessions, paths interleaved in blocks."""
     import httpx
 
-    limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
+    # keepalive_expiry under uvicorn's 5 s idle close: a path's connections idle through the
+    # other paths' blocks, and reusing one as the server closes it resets the call.
+    limits = httpx.Limits(
+        max_connections=conc + 8, max_keepalive_connections=conc + 8, keepalive_expiry=2.0
+    )
     lat: dict[str, list[float]] = {name: [] for name in paths}
     own: dict[str, list[float]] = {name: [] for name in paths}
     msgs = [{"role": "user", "content": "Say one word."}]
@@ -199,7 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--compare-httpx",
+        action="store_true",
+        help="also run a gateway whose engine client uses httpx (the former transport)",
+    )
     ap.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--httpx-client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -249,10 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         engine_url = url_of(spawn("--serve-engine", "--model", model))
         paths = {"direct": (engine_url, None)}
+        variants = [("gateway", ()), ("gateway_nofsync", ("--no-fsync",))]
+        if args.compare_httpx:
+            variants.append(("gateway_httpx", ("--httpx-client",)))
         gws = {
             name: spawn("--serve-gateway", "--engine", engine_url, "--model", model,
                         "--store", f"{tmp}/{name}/store", "--spool", f"{tmp}/{name}/spool", *extra)
-            for name, extra in (("gateway", ()), ("gateway_nofsync", ("--no-fsync",)))
+            for name, extra in variants
         }  # fmt: skip
         for name, p in gws.items():  # both start at once
             url = url_of(p)
@@ -295,6 +321,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"{out['own_p99_ms_64']:.2f} ms; no-fsync WAL: added p99 "
         f"{out['added_nofsync_p99_ms_64']:.2f} ms, own p99 {out['own_nofsync_p99_ms_64']:.2f} ms)"
     )
+    if args.compare_httpx:  # same run, same engine: the engine client's share
+        print(
+            f"{'engine client (ms)':<18}" + "".join(f"{f'{c}: http1 / httpx':>24}" for c in LEVELS)
+        )
+        for head, tail in (("added", "p50"), ("added", "p99"), ("own", "p50"), ("own", "p99"),
+                           ("cpu", "per_call")):  # fmt: skip
+            print(f"{head + '_' + tail:<18}" + "".join(
+                f"{out[f'{head}_{tail}_ms_{c}']:>12.2f} / {out[f'{head}_httpx_{tail}_ms_{c}']:<9.2f}"
+                for c in LEVELS
+            ))  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)

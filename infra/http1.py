@@ -34,7 +34,7 @@ class Disconnected(HttpError):
 
 
 class ReadTimeout(HttpError):
-    """No bytes arrived from the server for `read_timeout` seconds."""
+    """An awaited part of the answer (head, chunk, body) took longer than the read timeout."""
 
 
 class ProtocolViolation(HttpError):
@@ -61,7 +61,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sock = None
         self.buf = bytearray()
-        self.need = 0  # wake the waiter once len(buf) >= need (0: on any data)
+        self.need = 0  # wake the waiter once len(buf) >= need
         self.waiter: asyncio.Future | None = None
         self.eof = False
         self.exc: BaseException | None = None
@@ -104,8 +104,8 @@ class _Conn(asyncio.Protocol):
         self.eof = True
 
     async def _wait(self, need: int, timeout: float) -> None:
-        """Until ``len(buf) >= need``; raises `Disconnected` at EOF, `ReadTimeout` when no
-        byte arrives for ``timeout`` seconds."""
+        """Until ``len(buf) >= need``; raises `Disconnected` at EOF, `ReadTimeout` when those
+        bytes have not all arrived within ``timeout`` seconds."""
         while len(self.buf) < need:
             if self.eof:
                 raise Disconnected(f"server closed the connection ({self.exc!r})")

@@ -326,6 +326,7 @@ def build_app(gw: Gateway) -> Starlette:
                     yield sse(usage_chunk(rid, model, created, use, chat=False))
                 yield SSE_DONE
             except ApiError as exc:
+                gw.counters["errors"] += 1
                 yield sse(exc.body())
                 yield SSE_DONE
             finally:

@@ -242,10 +242,7 @@ def build_app(gw: Gateway) -> Starlette:
                 yield sse(exc.body())
                 yield SSE_DONE
             finally:
-                if not task.done():
-                    task.cancel()
-                elif not task.cancelled() and task.exception() is None:
-                    gw.settle(task.result())  # harness gone before the record: stop counting
+                _end_stream(gw, task)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -330,10 +327,7 @@ def build_app(gw: Gateway) -> Starlette:
                 yield sse(exc.body())
                 yield SSE_DONE
             finally:
-                if not task.done():
-                    task.cancel()
-                elif not task.cancelled() and task.exception() is None:
-                    gw.settle(task.result())  # harness gone before the record: stop counting
+                _end_stream(gw, task)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -402,13 +396,11 @@ def build_app(gw: Gateway) -> Starlette:
                 yield sse(native(res, text, True))
                 yield SSE_DONE
             except ApiError as exc:
+                gw.counters["errors"] += 1
                 yield sse(exc.body())
                 yield SSE_DONE
             finally:
-                if not task.done():
-                    task.cancel()
-                elif not task.cancelled() and task.exception() is None:
-                    gw.settle(task.result())  # harness gone before the record: stop counting
+                _end_stream(gw, task)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -510,6 +502,15 @@ def build_app(gw: Gateway) -> Starlette:
     return Starlette(
         routes=routes, exception_handlers={ApiError: api_error, 404: not_found, 405: not_found}
     )
+
+
+def _end_stream(gw: Gateway, task: asyncio.Task) -> None:
+    """A stream ended (answered, failed, or the harness hung up): stop its generation if it
+    still runs; if it finished, settle it (a harness gone before the record stops counting)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        gw.settle(task.result())
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

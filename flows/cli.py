@@ -69,18 +69,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from storage.sql import VIEWS, SqlError, format_table, query
+    from storage.sql import VIEW_COUNTS, SqlError, format_table, query
     from storage.store import Store, StoreError
 
     try:
         store = Store(args.store)
-        if not args.query:
-            sql = " UNION ALL ".join(
-                f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS
-            )
-        else:
-            sql = args.query
-        print(format_table(query(store, sql), args.format))
+        print(format_table(query(store, args.query or VIEW_COUNTS), args.format))
     except (SqlError, StoreError) as exc:
         print(f"gyre sql: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,10 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
     return con
 
 
+# row count of every view: what `gyre sql` shows without a query
+VIEW_COUNTS = " UNION ALL ".join(f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS)
+
+
 def query(store: Store, sql: str) -> pa.Table:
     """Run one read-only query; returns an Arrow table."""
     if _WRITE.match(sql):

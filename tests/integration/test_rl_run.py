@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.sql import VIEWS, query
+from storage.sql import VIEW_COUNTS, VIEWS, query
 from storage.store import Store
 from storage.tito_log import table_to_records
 from tasks.tito import reconstruct_inputs
@@ -45,13 +45,7 @@ def _audited(audit_dir: Path) -> dict[str, list[int]]:
 
 def _check_run(store: Store, summary: dict, audit_dir: Path) -> None:
     assert summary["steps"] == 2 and summary["weight_version"] == 2
-    counts = {
-        r["view"]: r["rows"]
-        for r in query(
-            store,
-            " UNION ALL ".join(f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS),
-        ).to_pylist()
-    }
+    counts = {r["view"]: r["rows"] for r in query(store, VIEW_COUNTS).to_pylist()}
     assert all(counts[v] > 0 for v in VIEWS), counts
     versions = query(store, "SELECT count(DISTINCT weight_version) AS n FROM tito").to_pylist()
     assert versions[0]["n"] >= 2

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from infra.engine import Engine
-from infra.tiny_model import make_tiny_model
+from infra.engine.engine import Engine
+from infra.engine.tiny_model import make_tiny_model
 
 
 def _prompt(n: int, salt: int) -> list[int]:

@@ -5,7 +5,7 @@ SGLang-shaped response and ``/health``) takes the calls, so what is measured is 
 client process's CPU per call (``time.thread_time``, the event loop's own cost) and calls/s, at
 1 and 64 concurrent callers. Transports alternate in blocks (medians over blocks), so drift
 hits both alike. ``httpx`` is the same `EngineClient` with ``transport=httpx.AsyncHTTPTransport``
-(what every call went through before `infra.http1`).
+(what every call went through before `infra.engine_api.http1`).
 
     python bench/engine_client.py [--quick] [--json PATH]
 """
@@ -70,7 +70,7 @@ def _serve_stub() -> None:
 def _client(kind: str, url: str):
     import httpx
 
-    from infra.engine_client import EngineClient
+    from infra.engine_api.client import EngineClient
 
     if kind == "http1":
         return EngineClient(url)

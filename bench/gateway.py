@@ -14,7 +14,7 @@ gateway's end-to-end latency minus the engine round trip the gateway itself meas
 ``x-gyre-engine-ms``) — the gateway's own cost, free of engine-time noise.
 
 ``--compare-httpx`` adds a path ``gateway_httpx``: the same gateway with its `EngineClient`
-on the former httpx transport, side by side with the default raw-asyncio one (`infra.http1`).
+on the former httpx transport, side by side with the default raw-asyncio one (`infra.engine_api.http1`).
 
     python bench/gateway.py [--quick] [--compare-httpx] [--json PATH]
 """
@@ -39,17 +39,17 @@ LEVELS = (1, 16, 64)
 
 def _serve_gateway(args) -> None:
     """Child process: a gateway in front of the engine; prints its URL, runs until stdin ends."""
-    from infra.gateway import Gateway
+    from infra.gateway.gateway import Gateway
     from storage.store import Store
 
     if args.httpx_client:  # the former transport, for --compare-httpx
         import httpx
 
-        import infra.router
-        from infra.engine_client import EngineClient
+        import infra.gateway.router
+        from infra.engine_api.client import EngineClient
 
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        infra.router.EngineClient = lambda url: EngineClient(
+        infra.gateway.router.EngineClient = lambda url: EngineClient(
             url, transport=httpx.AsyncHTTPTransport(limits=limits)
         )
     gw = Gateway(
@@ -76,8 +76,8 @@ def _serve_engine(args) -> None:
 
     import uvicorn
 
-    from infra.engine import Engine
-    from infra.engine_server import build_app
+    from infra.engine.engine import Engine
+    from infra.engine.server import build_app
 
     engine = Engine(args.model, max_batch_size=64)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -157,7 +157,7 @@ def _logic_us_per_call(model: str, n: int = 400) -> float:
     lookup), output parsing, TITO frame encoding and the session index update."""
     import numpy as np
 
-    from infra.chat import (
+    from infra.gateway.chat import (
         ChatTokenizer,
         SessionCalls,
         build_chat_input,
@@ -165,9 +165,9 @@ def _logic_us_per_call(model: str, n: int = 400) -> float:
         parse_output,
         reply_key,
     )
-    from infra.openai_api import chat_body, dumps, usage
+    from infra.gateway.wire import chat_body, dumps, usage
+    from storage.tito import TitoRecord
     from storage.tito_log import encode_frame
-    from tasks.tito import TitoRecord
 
     tok = ChatTokenizer(model)
     calls = SessionCalls()
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import httpx
 
-    from infra.chat import ChatTokenizer
-    from infra.tiny_model import make_tiny_model
+    from infra.engine.tiny_model import make_tiny_model
+    from infra.gateway.chat import ChatTokenizer
 
     rounds = args.rounds or (2 if args.quick else 40)
     warm = 1 if args.quick else 2

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tasks.simulator import Workload, default_policies, simulate, workload_dict
+from tasks.sched.simulator import Workload, default_policies, simulate, workload_dict
 
 MODES = ("colocate", "async", "elastic")
 COLS = (

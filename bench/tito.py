@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from storage.store import Store
+from storage.tito import TitoRecord, common_prefix_len
 from storage.tito_log import TitoLog, table_to_records, tito_bytes_report
-from tasks.tito import TitoRecord, common_prefix_len
 
 
 def synthetic_session(turns: int, tokens: int, *, vocab: int = 151_000, seed: int = 0):

@@ -29,10 +29,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from tasks.sampler import build_samples
-from tasks.trainer import LossConfig, flat_loss_and_grads, keep_norms_in_fp64, tree_loss_and_grads
-from tasks.tree import build_trees
-from tasks.tree_synth import random_session
+from tasks.train.trainer import (
+    LossConfig,
+    flat_loss_and_grads,
+    keep_norms_in_fp64,
+    tree_loss_and_grads,
+)
+from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.synth import random_session
+from tasks.trajectory.tree import build_trees
 
 
 def make_model(vocab: int, hidden: int, layers: int, dtype: torch.dtype, seed: int = 0):

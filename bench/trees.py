@@ -22,9 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tasks.sampler import build_samples
-from tasks.tree import TrajectoryTree
-from tasks.tree_synth import long_rollout
+from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.synth import long_rollout
+from tasks.trajectory.tree import TrajectoryTree
 
 TARGET_BUILD_S = 2.0
 

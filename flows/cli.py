@@ -84,10 +84,10 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import secrets
 
-    from infra.engine import Engine
-    from infra.engine_server import EngineServer
-    from infra.gateway import Gateway
-    from infra.tiny_model import make_tiny_model
+    from infra.engine.engine import Engine
+    from infra.engine.server import EngineServer
+    from infra.engine.tiny_model import make_tiny_model
+    from infra.gateway.gateway import Gateway
     from storage.store import Store
 
     model_dir = args.model or make_tiny_model()

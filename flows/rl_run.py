@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from flows import live
 from flows.config import RunConfig, config_to_dict, load_config
-from infra.cell_engine import load_weights, start_engine
-from infra.cluster import default_worker_env, start_cells
-from infra.gateway import Gateway
-from infra.tiny_model import make_tiny_model
+from infra.cells.cluster import default_worker_env, start_cells
+from infra.cells.engines import load_weights, start_engine
+from infra.engine.tiny_model import make_tiny_model
+from infra.gateway.gateway import Gateway
 from storage.checkpoints import latest_version, publish_checkpoint
 from storage.store import Store
 from tasks.process import process_step

@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 
 from storage.schemas import TITO_SCHEMA
 from storage.store import Store
-from tasks.tito import TitoRecord
+from storage.tito import TitoRecord
 
 try:  # orjson is faster; json is the fallback
     import orjson
@@ -440,7 +440,7 @@ def tito_bytes_report(
     records (what ``TitoLog`` writes per batch). ``naive`` stores every call's full input +
     output as int32. ``unique`` = sum of new input + output tokens (each token once).
     """
-    from tasks.tito import reconstruct_inputs, unique_tokens
+    from storage.tito import reconstruct_inputs, unique_tokens
 
     recs = list(records)
     if stored_bytes is None:

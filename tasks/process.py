@@ -18,10 +18,10 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from storage.store import Store
-from tasks.sampler import build_samples
-from tasks.scoring import Score, score_rollout, scores_at_requests
-from tasks.tito import TitoRecord
-from tasks.tree import build_trees
+from storage.tito import TitoRecord
+from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.scoring import Score, score_rollout, scores_at_requests
+from tasks.trajectory.tree import build_trees
 
 
 def _rows_for_sessions(

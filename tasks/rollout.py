@@ -17,8 +17,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from storage.store import Store
-from tasks.env_arith import ArithEnv
-from tasks.harness import run_agent
+from tasks.env.arith import ArithEnv
+from tasks.env.harness import run_agent
 
 
 def new_session(

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.logging import get_run_logger
 
-from infra.cluster import this_cell
+from infra.cells.cluster import this_cell
 from storage.checkpoints import fetch_checkpoint, latest_version, publish_checkpoint
 from storage.store import Store
-from tasks.sampler import Sample
-from tasks.trainer import Trainer
+from tasks.train.trainer import Trainer
+from tasks.trajectory.sampler import Sample
 
 
 class LedgerError(RuntimeError):

@@ -1,0 +1,832 @@
+"""The embedded engine: a transformers causal LM behind a continuous-batching scheduler.
+
+What it does (DESIGN.md §5, issue 3):
+
+- **Radix prefix KV cache** shared by all requests (`infra.engine.radix_cache`), LRU under a token
+  budget; ``cached_tokens`` reports the prompt tokens whose KV came from it.
+- **Continuous batching**: one scheduler thread. Running requests decode together, one token
+  per step, in a left-padded batch KV buffer (`BatchKV`); new requests are prefilled (chunked)
+  between decode steps and then join the batch.
+- **Logprobs**: for each output token, ``log_softmax(raw logits)[token]`` — the model's own
+  distribution at temperature 1 before temperature / top-k / top-p, as SGLang reports by
+  default. Sampling params change which token is chosen, never the reported number. Matches a
+  full forward recompute of the sequence (fp32) to ~1e-6.
+- **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
+  the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
+  depend on what else is in the batch.
+- **Memory**: ``kv_cache_tokens`` bounds all KV the engine holds, in tokens: the radix cache
+  plus the running requests' own copies (batch rows and chunked prefills; the batch buffer's
+  left padding and growth headroom are layout overhead, not counted). Admission is
+  conservative: a request is prefilled only when its worst case (input + the most output it
+  may still produce) fits next to the running requests' worst cases, after evicting LRU
+  unpinned radix entries; otherwise it waits in FIFO order until room frees. So decode never
+  runs out and nothing is retracted. The radix path a running request read is pinned until it
+  leaves (`RadixCache.lock`). ``load()`` reports ``kv_tokens_used`` / ``kv_tokens_budget``.
+- **Control**: abort by rid prefix, pause (abort | retract | in_place) / continue, hot weight
+  reload at a step boundary, cache flush, KV export/import of a token prefix
+  (`infra.engine.kv_transfer`).
+
+All model and cache work happens on the scheduler thread; public methods are thread-safe and
+either enqueue a request or run a command on that thread between two steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from infra.engine.batch_kv import BatchKV
+from infra.engine.errors import EngineInputError
+from infra.engine.radix_cache import RadixCache
+from infra.engine.sampling import SamplingParams, sample_batch, sample_next
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 1024  # tokens per prefill forward; decode steps run between chunks
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its live state (owned by the scheduler thread)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = True
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: dict | None = None
+    weight_version: int | None = None  # version that generated the first output token
+    created: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    # scheduler-private
+    aborted: str | None = None  # abort message, set by any thread
+    generator: torch.Generator | None = None
+    prefill_kv: Any = None  # DynamicCache during chunked prefill
+    prefill_pos: int = 0  # tokens of `kv_ids` already in `prefill_kv`
+    kv_epoch: int = -1  # weight epoch of the oldest KV this request holds
+    radix_lock: Any = None  # pinned radix path (a `RadixCache.lock` handle) while admitted
+    max_out: int = 0  # most output tokens it may produce (max_new_tokens within the context)
+    done: threading.Event = field(default_factory=threading.Event)
+    listeners: list = field(default_factory=list)  # callables(req), called after each update
+
+    @property
+    def kv_ids(self) -> list[int]:
+        """Tokens whose KV the request needs before its next decode step."""
+        if not self.output_ids:
+            return self.input_ids
+        return self.input_ids + self.output_ids[:-1]
+
+    def notify(self) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(self)
+            except Exception:  # a listener must never kill the scheduler
+                log.exception("request listener failed for %s", self.rid)
+
+
+class Engine:
+    """Embedded CPU engine over any local HF causal-LM checkpoint directory."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        weight_version: int = 0,
+        max_batch_size: int = 16,
+        kv_cache_tokens: int = 262144,
+        device: str = "cpu",
+        dtype=torch.float32,
+        cell_id: str = "local",
+        torch_threads: int | None = 1,
+    ):
+        """Load `model_dir` and start the scheduler thread.
+
+        `torch_threads`: intra-op threads of the scheduler thread (`torch.set_num_threads`
+        there; with torch's OpenMP backend other threads keep their own). The default 1 is
+        deliberate: a tiny model's matmuls gain nothing from more, and on a
+        loaded 2-core machine OpenMP spinning made a 16-row decode step ~13x slower (63 ms vs
+        4.7 ms). None leaves torch's setting alone.
+        """
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.cell_id = cell_id
+        self._torch_threads = torch_threads
+        self.max_batch_size = max_batch_size
+        self.model, self.tokenizer = self._load(self.model_dir)
+        cfg = self.model.config.get_text_config(decoder=True)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 32768))
+        self.eos_token_ids = self._eos_ids()
+        self._cache_kw = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else "past_key_values"
+        )
+        self.kv_budget = int(kv_cache_tokens)
+        self.radix = RadixCache(self.kv_budget)
+        self._kv_used = 0  # last published by the scheduler (`_note_kv`)
+        self._kv_peak = 0
+        self._weight_version = int(weight_version)
+        self._epoch = 0  # bumps on every weight change: KV of older epochs is stale
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._commands: queue.Queue = queue.Queue()
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._batch: BatchKV | None = None
+        self._paused: str | None = None
+        self._closed = False
+        self._rid_counter = itertools.count()
+        self.stats = {
+            "engine/decode_steps": 0,
+            "engine/prefill_tokens": 0,
+            "engine/cached_tokens": 0,
+        }
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{cell_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, path: str, *, with_tokenizer: bool = True):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model.to(self.device).eval()
+        if not with_tokenizer:
+            return model, None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception:  # a bare weights dir (e.g. a trainer checkpoint) is still servable
+            tokenizer = None
+        return model, tokenizer
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        eos = getattr(self.model.config, "eos_token_id", None)
+        for e in eos if isinstance(eos, list) else [eos]:
+            if e is not None and int(e) not in ids:
+                ids.append(int(e))
+        return ids
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def submit(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        listener=None,
+    ) -> Request:
+        """Queue a request; returns its live `Request` (wait on ``req.done``)."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        params = (
+            sampling_params
+            if isinstance(sampling_params, SamplingParams)
+            else SamplingParams.from_dict(sampling_params or {})
+        )
+        ids = self._validate_ids(input_ids)
+        if len(ids) >= self.max_context:
+            raise EngineInputError(
+                f"input has {len(ids)} tokens; the model's context is {self.max_context} "
+                "(input must leave room for at least one output token)"
+            )
+        req = Request(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params)
+        req.max_out = min(params.max_new_tokens, self.max_context - len(ids))
+        if self._footprint(req) > self.kv_budget:
+            raise EngineInputError(
+                f"input ({len(ids)} tokens) + max_new_tokens ({req.max_out}) needs "
+                f"{self._footprint(req)} KV tokens but the engine's KV budget is "
+                f"kv_cache_tokens={self.kv_budget}: lower max_new_tokens, shorten the input, "
+                "or raise --kv-cache-tokens"
+            )
+        req.return_logprob = bool(return_logprob)
+        seed = params.sampling_seed
+        req.generator = torch.Generator().manual_seed(
+            int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little")
+        )
+        if listener is not None:
+            req.listeners.append(listener)
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+        return req
+
+    def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True) -> dict:
+        """Blocking generate; returns the SGLang-shaped response dict."""
+        req = self.submit(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+        req.done.wait()
+        return self.response(req)
+
+    def response(self, req: Request, *, upto: int | None = None, detokenizer=None) -> dict:
+        """SGLang `/generate` response for `req` (its first `upto` output tokens if given).
+
+        A streamer passes its `IncrementalDetokenizer` with `upto`: the text then costs the new
+        tokens only, and may hold back the last few until a UTF-8 character completes. Without
+        `upto` the text is one full decode, so a stream ends exactly as a plain call does.
+        """
+        n = len(req.output_ids) if upto is None else upto
+        out = req.output_ids[:n]
+        meta = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason if upto is None else None,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": req.cached_tokens,
+            "weight_version": str(
+                req.weight_version if req.weight_version is not None else self._weight_version
+            ),
+            "output_token_weight_versions": req.token_versions[:n],
+            "cell_id": self.cell_id,
+            "e2e_latency": (req.finished_at or time.time()) - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.output_logprobs[:n], out, strict=False)
+            ]
+        if self.tokenizer is None:
+            text = ""
+        elif upto is not None and detokenizer is not None:
+            text = detokenizer.update(out)
+        else:
+            text = self.tokenizer.decode(out)
+        matched = (req.finish_reason or {}).get("matched") if upto is None else None
+        if isinstance(matched, str) and not req.params.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]  # SGLang trims the stop string from `text`
+        return {"text": text, "output_ids": out, "meta_info": meta}
+
+    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
+        """Abort requests whose rid starts with `rid` (SGLang semantics); returns how many."""
+        with self._lock:
+            reqs = self._inbox + self._waiting + self._running
+        n = 0
+        for r in reqs:
+            if r.finish_reason is None and (abort_all or (rid and r.rid.startswith(rid))):
+                r.aborted = "aborted by request"
+                n += 1
+        if n:  # wake the scheduler to reap them, even while paused (no waiting on it here)
+            self._commands.put((lambda: None, Future()))
+            self._kick()
+        return n
+
+    def cancel(self, req: Request, message: str = "cancelled") -> None:
+        """Abort exactly `req` (not every rid it prefixes, unlike `abort`)."""
+        if req.finish_reason is None:
+            req.aborted = message
+            self._commands.put((lambda: None, Future()))
+            self._kick()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating at the next step boundary.
+
+        abort: in-flight requests finish now with ``finish_reason.type == "abort"`` and their
+        partial output. retract: running requests go back to the queue (their KV into the radix
+        cache) and resume by re-prefill on continue. in_place: everything stays as it is.
+        New requests queue while paused.
+        """
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineInputError(f"pause mode {mode!r}: use abort, retract or in_place")
+        self._run_command(lambda: self._do_pause(mode))
+
+    def continue_generation(self) -> None:
+        self._run_command(self._do_continue)
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: int | str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict:
+        """Load a checkpoint and swap it in between two decode steps.
+
+        In-flight requests continue under the new weights (their earlier KV stays as computed).
+        Returns ``{"success": bool, "message": str}``.
+        """
+        try:
+            model, _ = self._load(model_path, with_tokenizer=False)
+        except Exception as e:  # report, never crash the server
+            return {"success": False, "message": f"failed to load {model_path}: {e}"}
+        cfg = model.config.get_text_config(decoder=True)
+        shape = (
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            cfg.vocab_size,
+        )
+        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size)
+        if shape != mine:
+            return {
+                "success": False,
+                "message": f"{model_path}: (layers, kv heads, head dim, vocab) = {shape} differ "
+                f"from the served model's {mine}; weights must fit the same architecture",
+            }
+        if weight_version is None:
+            version = self._weight_version + 1
+        else:
+            try:
+                version = int(weight_version)
+            except (TypeError, ValueError):
+                return {
+                    "success": False,
+                    "message": f"weight_version {weight_version!r} must be an integer",
+                }
+
+        def swap():
+            if abort_all_requests:
+                self._abort_all("aborted by weight update")
+            self.model = model
+            self.model_dir = str(model_path)
+            self._weight_version = version
+            self._epoch += 1
+            if flush_cache:
+                self.radix.flush()
+                self._note_kv()
+
+        self._run_command(swap)
+        return {"success": True, "message": f"loaded {model_path} as weight version {version}"}
+
+    def flush_cache(self) -> bool:
+        def flush():
+            self.radix.flush()
+            self._note_kv()
+
+        self._run_command(flush)
+        return True
+
+    def export_kv(self, input_ids: list[int]) -> bytes:
+        """KV of the longest cached prefix of `input_ids`, serialized (see `infra.engine.kv_transfer`)."""
+        from infra.engine import kv_transfer
+
+        ids = self._validate_ids(input_ids)
+        n, kv = self._run_command(lambda: self.radix.match(ids))
+        return kv_transfer.dumps(ids[:n], kv, self._kv_meta())
+
+    def import_kv(self, blob: bytes) -> int:
+        """Insert an exported prefix into the radix cache; returns the tokens imported.
+
+        Imports the longest part of the prefix that fits the KV budget now (all of it unless
+        running requests hold most of the budget).
+        """
+        from infra.engine import kv_transfer
+
+        ids, kv, meta = kv_transfer.loads(blob)
+        kv_transfer.check_compatible(meta, self._kv_meta())
+        if not ids:
+            return 0
+        self._validate_ids(ids)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        return self._run_command(lambda: self._cache_insert(ids, kv, partial=True))
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_dir,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "max_context_length": self.max_context,
+            "vocab_size": self.vocab_size,
+            "eos_token_ids": self.eos_token_ids,
+            "weight_version": str(self._weight_version),
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_batch_size": self.max_batch_size,
+            "kv_cache_tokens": self.kv_budget,
+            "kv_tokens_budget": self.kv_budget,
+            "cell_id": self.cell_id,
+            "engine": "gyre-embedded",
+        }
+
+    def load(self) -> dict:
+        """Queue depths and cache use, for routing and tests."""
+        with self._lock:
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting) + len(self._inbox),
+                "radix_tokens": self.radix.total_tokens,
+                "kv_tokens_used": self._kv_used,
+                "kv_tokens_peak": self._kv_peak,
+                "kv_tokens_budget": self.kv_budget,
+                "paused": self._paused,
+                **self.stats,
+            }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kick()
+        self._thread.join(timeout=10)
+        for r in self._inbox + self._waiting + self._running:
+            if r.finish_reason is None:
+                self._finish(r, {"type": "abort", "message": "engine closed"})
+        while not self._commands.empty():  # commands that raced with close
+            _, fut = self._commands.get()
+            fut.set_exception(RuntimeError("engine is closed"))
+
+    # ------------------------------------------------------------------ internals
+    def _validate_ids(self, input_ids) -> list[int]:
+        if not isinstance(input_ids, list | tuple) or not input_ids:
+            raise EngineInputError("input_ids must be a non-empty list of token ids")
+        ids = []
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise EngineInputError(
+                    f"invalid token id {t!r}: ids must be ints in [0, {self.vocab_size})"
+                )
+            ids.append(int(t))
+        return ids
+
+    def _kv_meta(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "weight_version": self._weight_version,
+            "model_path": self.model_dir,
+        }
+
+    # -- KV budget (scheduler thread)
+    @staticmethod
+    def _footprint(req: Request) -> int:
+        """Most KV tokens `req` can ever hold: its input and every output it may produce."""
+        return len(req.input_ids) + req.max_out
+
+    def _admitted(self) -> list[Request]:
+        """Requests holding KV of their own: the running batch and chunked prefills."""
+        return self._running + [r for r in self._waiting if r.prefill_kv is not None]
+
+    def _kv_held(self) -> int:
+        """KV tokens held now: radix cache + batch rows + chunked prefills so far."""
+        rows = sum(self._batch.lens) if self._batch is not None else 0
+        prefills = sum(r.prefill_pos for r in self._waiting if r.prefill_kv is not None)
+        return self.radix.total_tokens + rows + prefills
+
+    def _reserved(self) -> int:
+        """KV tokens the admitted requests may grow to (each one's worst case)."""
+        return sum(self._footprint(r) for r in self._admitted())
+
+    def _make_room(self, tokens: int) -> bool:
+        """Evict LRU unpinned radix entries until `tokens` more fit next to every admitted
+        request's worst case. False, evicting nothing, if even the pinned entries leave no
+        room for them."""
+        target = self.kv_budget - self._reserved() - tokens
+        if self.radix.pinned_tokens > target:
+            return False
+        if self.radix.total_tokens > target:
+            self.radix.evict(target)
+        return True
+
+    def _cache_insert(self, ids: list[int], kv: torch.Tensor, partial: bool = False) -> int:
+        """Insert `ids` (KV ``(L, 2, H, n, D)``) into the radix cache within the budget.
+
+        Evicts first, so the cache never overshoots. Without room the insert is skipped (it is
+        only a cache), or with `partial` the longest prefix that fits goes in. Returns the
+        tokens of `ids` now cached.
+        """
+        have = self.radix.prefix_len(ids)
+        guard = self.radix.lock(ids[:have])  # eviction must not cut the path being extended
+        try:
+            n = len(ids)
+            if not self._make_room(n - have):
+                if not partial:
+                    return have
+                room = max(0, self.kv_budget - self._reserved() - self.radix.pinned_tokens)
+                self._make_room(room)
+                n = have + room
+            if n > have:
+                self.radix.insert(ids[:n], kv[:, :, :, :n])
+            return max(n, have)
+        finally:
+            self.radix.unlock(guard)
+            self._note_kv()
+
+    def _release(self, req: Request) -> None:
+        """`req` no longer holds KV: unpin its radix path."""
+        self.radix.unlock(req.radix_lock)
+        req.radix_lock = None
+
+    def _note_kv(self) -> None:
+        """Publish KV use for `load()` (read by other threads) and track its peak."""
+        self._kv_used = self._kv_held()
+        self._kv_peak = max(self._kv_peak, self._kv_used)
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _run_command(self, fn):
+        """Run `fn` on the scheduler thread at the next step boundary; return its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        self._kick()
+        return fut.result()
+
+    def _forward(self, input_ids, position_ids, cache, attention_mask=None):
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=1,
+                **kwargs,
+            )
+        # (B, V) on the CPU: sampling uses each request's CPU generator, on any device
+        return out.logits[:, -1, :].float().cpu()
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self._torch_threads is not None:
+            # OpenMP's thread count is per calling thread: this sets the scheduler's only
+            torch.set_num_threads(self._torch_threads)
+        while True:
+            with self._wake:
+                while (
+                    not self._closed
+                    and self._commands.empty()
+                    and not self._inbox
+                    and (self._paused or (not self._waiting and not self._running))
+                ):
+                    self._wake.wait(timeout=0.5)
+                if self._closed:
+                    return
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                self._step()
+            except Exception as e:  # fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"engine error: {e!r}")
+
+    def _step(self) -> None:
+        while not self._commands.empty():
+            fn, fut = self._commands.get()
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        self._reap_aborted()
+        if self._paused:
+            return
+        self._prefill_some()
+        if self._running:
+            self._decode_step()
+
+    # -- abort / pause
+    def _reap_aborted(self) -> None:
+        for r in [r for r in self._waiting if r.aborted]:
+            self._waiting.remove(r)
+            r.prefill_kv, r.prefill_pos = None, 0
+            self._release(r)
+            self._finish(r, {"type": "abort", "message": r.aborted})
+        self._note_kv()
+        gone = [i for i, r in enumerate(self._running) if r.aborted]
+        if gone:
+            reqs = [self._running[i] for i in gone]
+            self._remove_rows(gone, cache=True)  # their KV is valid: keep it for a resubmit
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": r.aborted})
+
+    def _fail_all(self, message: str) -> None:
+        """After an internal error: finish every request with an abort, drop the batch."""
+        with self._lock:
+            reqs = self._inbox + self._waiting + self._running
+            self._inbox, self._waiting, self._running = [], [], []
+        self._batch = None
+        for r in reqs:
+            r.prefill_kv, r.prefill_pos = None, 0
+            self._release(r)
+            if r.finish_reason is None:
+                self._finish(r, {"type": "abort", "message": message})
+
+    def _abort_all(self, message: str) -> None:
+        for r in self._inbox + self._waiting + self._running:
+            r.aborted = r.aborted or message
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+        self._reap_aborted()
+
+    def _do_pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort_all("aborted by pause_generation")
+        elif mode == "retract":
+            rows = list(range(len(self._running)))
+            retracted = [self._running[i] for i in rows]
+            self._remove_rows(rows, cache=True)
+            for r in retracted:
+                r.prefill_kv, r.prefill_pos = None, 0
+            self._waiting[:0] = retracted
+        self._paused = mode
+
+    def _do_continue(self) -> None:
+        self._paused = None
+
+    # -- prefill
+    def _prefill_some(self) -> None:
+        """Prefill waiting requests, up to one chunk of tokens, while the batch has room."""
+        budget = PREFILL_CHUNK
+        while self._waiting and budget > 0 and len(self._running) < self.max_batch_size:
+            req = self._waiting[0]
+            if req.prefill_kv is None and not self._admit(req):
+                break  # no KV room: it (and everything behind it) waits for room to free
+            budget -= self._prefill_chunk(req, budget)
+            if req.prefill_kv is None and req.prefill_pos == 0:
+                continue  # finished or admitted: loop picks the next one
+            if req.prefill_pos < len(req.kv_ids):
+                break  # partially prefilled; decode a step, then go on
+
+    def _admit(self, req: Request) -> bool:
+        """Start `req`'s prefill if its worst case fits the KV budget (evicting LRU entries).
+
+        Pins the cached prefix it will read, so making room never evicts it; it stays pinned
+        while the request holds KV.
+        """
+        from transformers.cache_utils import DynamicCache
+
+        ids = req.kv_ids
+        # Reuse the longest cached prefix, but always compute the last input token:
+        # its logits give the first output token.
+        limit = len(ids) - 1 if not req.output_ids else len(ids)
+        req.radix_lock = self.radix.lock(ids[:limit]) if limit > 0 else None
+        if not self._make_room(self._footprint(req)):
+            self._release(req)
+            return False
+        n, kv = self.radix.match(ids[:limit]) if limit > 0 else (0, None)
+        if not req.output_ids:
+            req.cached_tokens = n
+            self.stats["engine/cached_tokens"] += n
+        req.kv_epoch = self._epoch
+        cache = DynamicCache()
+        if n:
+            for i in range(self.num_layers):
+                cache.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
+        req.prefill_kv, req.prefill_pos = cache, n
+        self._note_kv()
+        return True
+
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Advance an admitted `req`'s prefill by up to `budget` tokens; batch it when complete."""
+        ids = req.kv_ids
+        todo = min(budget, len(ids) - req.prefill_pos)
+        logits = None
+        if todo > 0:
+            start = req.prefill_pos
+            chunk = torch.tensor([ids[start : start + todo]], device=self.device)
+            pos = torch.arange(start, start + todo, device=self.device).unsqueeze(0)
+            logits = self._forward(chunk, pos, req.prefill_kv)
+            req.prefill_pos += todo
+            self.stats["engine/prefill_tokens"] += todo
+            self._note_kv()
+        if req.prefill_pos < len(ids):
+            return todo
+        # Prefill complete: (L, 2, H, n, D) from the DynamicCache.
+        kv = torch.stack(
+            [torch.stack([lay.keys[0], lay.values[0]]) for lay in req.prefill_kv.layers]
+        )
+        if self._epoch == req.kv_epoch:  # still admitted here, so its worst case stays reserved
+            self._cache_insert(ids, kv)
+        req.prefill_kv, req.prefill_pos = None, 0
+        self._waiting.remove(req)
+        if not req.output_ids:
+            reason = self._emit(req, logits[0])
+            if reason is not None:
+                self._release(req)
+                self._note_kv()
+                self._finish(req, reason)
+                return todo
+        self._add_row(req, kv)
+        self._note_kv()
+        return todo
+
+    # -- decode
+    def _add_row(self, req: Request, kv: torch.Tensor) -> None:
+        if self._batch is None:
+            self._batch = BatchKV(like=kv)
+        self._batch.add(kv)
+        self._running.append(req)
+
+    def _remove_rows(self, idx: list[int], cache: bool = False) -> None:
+        """Drop rows `idx` from the batch; with `cache`, insert their KV into the radix cache.
+
+        `BatchKV.remove` moves the last row into the freed slot; `_running` mirrors that.
+        """
+        for b in sorted(set(idx), reverse=True):
+            r = self._running[b]
+            kv = self._batch.remove(b)
+            self._running[b] = self._running[-1]
+            self._running.pop()
+            self._release(r)
+            if cache and r.kv_epoch == self._epoch:
+                self._cache_insert(r.kv_ids, kv)
+        if not self._running:
+            self._batch = None
+        self._note_kv()
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        batch.ensure_room(1)
+        tokens = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        pos = torch.tensor([[n] for n in batch.lens], device=self.device)
+        mask = batch.attention_mask(self.dtype).to(self.device)
+        logits = self._forward(tokens, pos, batch.cache(), mask)
+        batch.advance(1)
+        self.stats["engine/decode_steps"] += 1
+        self._note_kv()
+        if type(self)._emit is Engine._emit:  # one batched draw for every row
+            picks = sample_batch(
+                logits, [r.params for r in self._running], [r.generator for r in self._running]
+            )
+            reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
+        else:  # a subclass hooks the per-row choice (tests script tokens this way)
+            reasons = [self._emit(r, logits[b]) for b, r in enumerate(self._running)]
+        done = [(b, r, why) for b, (r, why) in enumerate(zip(self._running, reasons, strict=True))]
+        done = [(b, r, why) for b, r, why in done if why is not None]
+        if done:
+            self._remove_rows([b for b, _, _ in done], cache=True)
+            for _, r, reason in done:
+                self._finish(r, reason)
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> dict | None:
+        """Sample and append one token for `req`; returns the finish reason if it is done.
+
+        The caller finishes the request (after taking its KV out of the batch), so a waiter
+        woken by ``req.done`` already sees the engine without it.
+        """
+        return self._append(req, *sample_next(logits, req.params, req.generator))
+
+    def _append(self, req: Request, token: int, logprob: float) -> dict | None:
+        """Append a chosen token to `req`; returns the finish reason if it is done."""
+        if req.weight_version is None:
+            req.weight_version = self._weight_version
+            req.first_token_at = time.time()
+        # output_ids last: a reader on another thread that sees n ids sees n of the rest too
+        req.output_logprobs.append(logprob)
+        req.token_versions.append(self._weight_version)
+        req.output_ids.append(token)
+        p = req.params
+        reason = None
+        if len(req.output_ids) >= p.min_new_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = {"type": "stop", "matched": token}
+        elif p.stop and len(req.output_ids) >= p.min_new_tokens and self.tokenizer is not None:
+            matched = self._stop_string(req.output_ids, p.stop)
+            if matched is not None:
+                reason = {"type": "stop", "matched": matched}
+        if reason is None and (
+            len(req.output_ids) >= p.max_new_tokens
+            or len(req.input_ids) + len(req.output_ids) >= self.max_context
+        ):
+            reason = {"type": "length", "length": len(req.output_ids)}
+        if reason is None:
+            req.notify()
+        return reason
+
+    def _stop_string(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        """The stop string that the last token completed, if any (decodes a short tail)."""
+        window = 4 * max(len(x) for x in stops) + 4  # a char may take up to 4 byte tokens
+        tail = self.tokenizer.decode(output_ids[-window:])
+        before = self.tokenizer.decode(output_ids[-window:-1]) if len(output_ids) > 1 else ""
+        for s in stops:
+            if tail.count(s) > before.count(s):  # completed by this token
+                return s
+        return None
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.time()
+        req.done.set()
+        req.notify()

@@ -1,0 +1,353 @@
+"""Async HTTP client for the SGLang-native engine API: the only way anything reaches an engine.
+
+Works against the embedded `EngineServer` and a real SGLang server alike (same paths, same
+field names). Requests go through `infra.engine_api.http1.Http1Pool`, a minimal keep-alive HTTP/1.1
+client on raw asyncio (httpx cost ~1.5 ms of event-loop CPU per call, most of the gateway's
+own overhead); ``https://`` URLs and tests' injected transports go through httpx. Connection
+failures (refused, reset, connect timeout) are retried a bounded number of times with backoff
+and logged with the attempt count; everything else — a 4xx/5xx answer, a read timeout
+mid-generation — raises `EngineError` carrying the server's message and status, because a
+generation may already have run and must not be silently repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from infra.engine_api.http1 import ConnectFailed, Disconnected, Http1Pool, HttpError, Response
+
+if TYPE_CHECKING:
+    import httpx
+
+try:  # orjson comes with prefect; ~5x faster on token-id lists. Same output, else json.
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # e.g. numpy scalars, which json handles differently
+            return json.dumps(obj).encode()
+
+    def _loads(raw: bytes) -> Any:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:  # NaN / Infinity, which json accepts
+            return json.loads(raw)
+
+except ImportError:  # pragma: no cover
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj).encode()
+
+    _loads = json.loads
+
+log = logging.getLogger(__name__)
+
+CONNECT_RETRIES = 4
+BACKOFF_S = 0.25
+JSON = "application/json"
+
+
+class EngineError(RuntimeError):
+    """The engine answered an error (or could not be reached after retries)."""
+
+    def __init__(self, message: str, *, status: int | None = None, url: str = ""):
+        super().__init__(f"{url}: {message}" if url else message)
+        self.status = status
+        self.url = url
+        self.server_message = message
+
+
+def _message(resp: Response) -> str:
+    try:
+        body = _loads(resp.body)
+    except ValueError:
+        return resp.body.decode("utf-8", "replace") or resp.reason
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return json.dumps(body)
+
+
+class _HttpxPool:
+    """`Http1Pool`'s two verbs over httpx (an injected transport such as tests'
+    ``MockTransport``, or https), with httpx's errors mapped onto `infra.engine_api.http1`'s."""
+
+    def __init__(self, base_url: str, transport, connect_timeout: float, read_timeout: float):
+        import httpx
+
+        self._httpx = httpx
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    def _error(self, e: Exception) -> HttpError:
+        httpx = self._httpx
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+            return ConnectFailed(repr(e))
+        if isinstance(e, httpx.RemoteProtocolError):
+            return Disconnected(repr(e))
+        return HttpError(repr(e))
+
+    def _args(self, body, content_type, timeout) -> dict:
+        kw: dict = {"content": body}
+        if body is not None:
+            kw["headers"] = {"content-type": content_type}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        return kw
+
+    async def request(self, method, path, body=None, *, content_type=JSON, timeout=None):
+        try:
+            r = await self._http.request(method, path, **self._args(body, content_type, timeout))
+        except self._httpx.HTTPError as e:
+            raise self._error(e) from e
+        return Response(r.status_code, r.reason_phrase, dict(r.headers), r.content)
+
+    async def stream(self, method, path, body=None, *, content_type=JSON, timeout=None):
+        try:
+            kw = self._args(body, content_type, timeout)
+            async with self._http.stream(method, path, **kw) as r:
+                yield Response(r.status_code, r.reason_phrase, dict(r.headers), b"")
+                async for part in r.aiter_bytes():
+                    yield part
+        except self._httpx.HTTPError as e:
+            raise self._error(e) from e
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class EngineClient:
+    """Async client for one engine server at `base_url` (e.g. ``http://127.0.0.1:30000``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        """`transport` replaces the network with an httpx transport (tests pass an
+        `httpx.MockTransport`; ``httpx.AsyncHTTPTransport()`` is the former httpx path)."""
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        connect = min(10.0, timeout)
+        if transport is None and self.base_url.startswith("http://"):
+            self._http = Http1Pool(
+                self.base_url, connect_timeout=connect, read_timeout=timeout, max_idle=64
+            )
+        else:
+            self._http = _HttpxPool(self.base_url, transport, connect, timeout)
+
+    # ------------------------------------------------------------------ transport
+    async def _request(
+        self, method: str, path: str, body: bytes | None = None, content_type: str = JSON
+    ) -> Response:
+        for attempt in range(1, CONNECT_RETRIES + 1):
+            try:
+                resp = await self._http.request(method, path, body, content_type=content_type)
+            except (ConnectFailed, Disconnected) as e:
+                # A disconnect may come after the server took the request: retry it only for
+                # reads, never a POST that may have generated.
+                if isinstance(e, Disconnected) and method != "GET":
+                    raise EngineError(f"{method} {path} failed: {e!r}", url=self.base_url) from e
+                if attempt == CONNECT_RETRIES:
+                    raise EngineError(
+                        f"cannot reach engine after {attempt} attempts: {e!r}", url=self.base_url
+                    ) from e
+                log.warning(
+                    "engine %s%s unreachable (attempt %d/%d): %r",
+                    self.base_url,
+                    path,
+                    attempt,
+                    CONNECT_RETRIES,
+                    e,
+                )
+                await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1))
+                continue
+            except HttpError as e:
+                raise EngineError(f"{method} {path} failed: {e!r}", url=self.base_url) from e
+            if resp.status >= 400:
+                raise EngineError(_message(resp), status=resp.status, url=self.base_url)
+            return resp
+        raise AssertionError("unreachable")
+
+    async def _json(self, method: str, path: str, payload: dict | None = None) -> dict:
+        body = None if payload is None else _dumps(payload)
+        resp = await self._request(method, path, body)
+        if not resp.body:
+            return {}
+        return _loads(resp.body)
+
+    # ------------------------------------------------------------------ generation
+    @staticmethod
+    def _payload(input_ids, sampling_params, rid, return_logprob, stream) -> dict:
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "stream": stream,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        return payload
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> dict:
+        """POST /generate; returns the response JSON (output_ids, meta_info, text)."""
+        payload = self._payload(input_ids, sampling_params, rid, return_logprob, False)
+        return await self._json("POST", "/generate", payload)
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> AsyncIterator[dict]:
+        """POST /generate with stream: yields each SSE chunk dict (cumulative), last one final."""
+        body = _dumps(self._payload(input_ids, sampling_params, rid, return_logprob, True))
+        for attempt in range(1, CONNECT_RETRIES + 1):
+            try:
+                async with aclosing(self._http.stream("POST", "/generate", body)) as parts:
+                    resp = await anext(parts)
+                    if resp.status >= 400:
+                        resp.body = b"".join([p async for p in parts])
+                        raise EngineError(_message(resp), status=resp.status, url=self.base_url)
+                    pending = b""
+                    async for part in parts:
+                        lines = (pending + part).split(b"\n")
+                        pending = lines.pop()  # an incomplete line waits for the next part
+                        for line in lines:
+                            if line.startswith(b"data:"):
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    return
+                                yield _loads(data)
+                    if pending.startswith(b"data:") and pending[5:].strip() != b"[DONE]":
+                        yield _loads(pending[5:].strip())  # a last line without its newline
+                return
+            except ConnectFailed as e:
+                if attempt == CONNECT_RETRIES:
+                    raise EngineError(
+                        f"cannot reach engine after {attempt} attempts: {e!r}", url=self.base_url
+                    ) from e
+                log.warning(
+                    "engine %s/generate unreachable (attempt %d/%d): %r",
+                    self.base_url,
+                    attempt,
+                    CONNECT_RETRIES,
+                    e,
+                )
+                await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            except HttpError as e:
+                raise EngineError(f"stream failed: {e!r}", url=self.base_url) from e
+
+    # ------------------------------------------------------------------ control
+    async def abort(self, rid: str) -> None:
+        """Abort requests whose rid starts with `rid` (SGLang matches by prefix)."""
+        await self._request("POST", "/abort_request", _dumps({"rid": rid}))
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._request("POST", "/pause_generation", _dumps({"mode": mode}))
+
+    async def continue_(self) -> None:
+        await self._request("POST", "/continue_generation", b"{}")
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: int | str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict:
+        """Returns ``{"success": bool, "message": str}``; a refused load raises `EngineError`."""
+        payload = {
+            "model_path": str(model_path),
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._json("POST", "/update_weights_from_disk", payload)
+
+    async def flush_cache(self) -> None:
+        try:
+            await self._request("POST", "/flush_cache")
+        except EngineError as e:
+            if e.status != 405:
+                raise
+            await self._request("GET", "/flush_cache")  # older SGLang: GET only
+
+    async def health(self) -> bool:
+        try:
+            resp = await self._http.request("GET", "/health", timeout=5.0)
+        except HttpError:
+            return False
+        return resp.status == 200
+
+    async def model_info(self) -> dict:
+        """``/get_model_info``, with ``max_context_length`` filled in from
+        ``/get_server_info`` (``context_length``) when the server leaves it out, as SGLang does.
+        """
+        info = await self._json("GET", "/get_model_info")
+        if "max_context_length" not in info:
+            try:
+                server = await self.server_info()
+            except EngineError:
+                server = {}
+            ctx = server.get("context_length") or server.get("max_context_length")
+            if ctx:
+                info["max_context_length"] = int(ctx)
+        return info
+
+    async def server_info(self) -> dict:
+        return await self._json("GET", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return str((await self._json("GET", "/get_weight_version"))["weight_version"])
+
+    async def export_kv(self, input_ids: list[int]) -> bytes:
+        """gyre extension: the serialized KV of the engine's longest cached prefix of ids."""
+        resp = await self._request(
+            "POST", "/gyre/kv/export", _dumps({"input_ids": list(input_ids)})
+        )
+        return resp.body
+
+    async def import_kv(self, blob: bytes) -> int:
+        """gyre extension: load an exported prefix into the engine's cache; returns tokens."""
+        resp = await self._request(
+            "POST", "/gyre/kv/import", bytes(blob), "application/octet-stream"
+        )
+        return int(_loads(resp.body)["imported_tokens"])
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

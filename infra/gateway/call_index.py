@@ -1,0 +1,247 @@
+"""Per-session index of earlier calls: delta-encoded contexts, longest-prefix parent lookup.
+
+Every call of a session is kept as its TITO record is (``prefix_len`` shared with a parent +
+the tokens it adds), so memory is O(unique tokens). Contexts (input + output) are indexed by
+chained hashes of fixed-size chunks (``CHUNK`` tokens): a lookup hashes the new input once
+(reusing the hint parent's hashes for the part they share), binary-searches the deepest chunk
+some earlier call shares, then compares at most one chunk per candidate. Recording a call
+registers only the chunks past its parent's shared prefix, so it costs O(new tokens) whatever
+the context length (~1M tokens) and the number of calls (hundreds).
+
+Pure module: numpy and hashlib only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from storage.tito import common_prefix_len
+
+CHUNK = 256  # tokens per hashed chunk of the context index
+_H = 8  # digest bytes
+
+
+def digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class CallState:
+    request_id: str
+    seq_no: int
+    parent: str | None
+    prefix_len: int
+    own: np.ndarray  # new_input_ids + output_ids (int32): the tokens this call adds
+    input_len: int
+    output_len: int
+    ended_im_end: bool
+    hashes: bytes  # chained digests of the context's full chunks
+    head: np.ndarray  # first CHUNK tokens of the context
+
+    @property
+    def context_len(self) -> int:
+        return self.input_len + self.output_len
+
+
+@dataclass
+class ChatInput:
+    """What a call sends: full input ids, and its delta encoding against the chosen parent."""
+
+    input_ids: np.ndarray
+    parent_request_id: str | None
+    prefix_len: int
+    mode: str  # extend | branch | tokens
+    msg_key: bytes | None = None
+    hashes: bytes = b""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def new_input_ids(self) -> np.ndarray:
+        return self.input_ids[self.prefix_len :]
+
+
+def chunk_hashes(ids: np.ndarray, start_chunk: int = 0, prev: bytes = b"") -> bytes:
+    """Chained digests of ids' full CHUNK-token chunks from ``start_chunk`` (prev = digests before)."""
+    out = [prev]
+    h = prev[-_H:] if prev else b"root"
+    n_full = len(ids) // CHUNK
+    for j in range(start_chunk, n_full):
+        h = hashlib.blake2b(h + ids[j * CHUNK : (j + 1) * CHUNK].tobytes(), digest_size=_H).digest()
+        out.append(h)
+    return b"".join(out)
+
+
+class SessionCalls:
+    """Every earlier call of one session, delta-encoded, with prefix and message indexes."""
+
+    def __init__(self, ctx_cache: int = 4):
+        self.calls: dict[str, CallState] = {}
+        self._by_chunk: dict[bytes, list[str]] = {}
+        self._by_reply: dict[tuple[bytes, bytes], str] = {}
+        self._ctx: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._ctx_cap = ctx_cache
+        self._heads = np.full((0, CHUNK), -1, dtype=np.int32)  # first CHUNK tokens per call
+        self._head_rids: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    # -- contexts --------------------------------------------------------------------------
+    def context(self, rid: str) -> np.ndarray:
+        """Full input + output of an earlier call (int32), rebuilt from deltas if not cached."""
+        got = self._ctx.get(rid)
+        if got is not None:
+            self._ctx.move_to_end(rid)
+            return got
+        parts: list[np.ndarray] = []
+        cur: str | None = rid
+        need = self.calls[rid].context_len
+        while cur is not None:
+            c = self.calls[cur]
+            cached = self._ctx.get(cur)
+            if cached is not None:
+                parts.append(cached[:need])
+                break
+            parts.append(c.own[: max(0, need - c.prefix_len)])
+            need = min(need, c.prefix_len)
+            cur = c.parent if need > 0 else None
+        ctx = np.concatenate(parts[::-1]) if len(parts) > 1 else parts[0]
+        self._remember(rid, ctx)
+        return ctx
+
+    def _remember(self, rid: str, ctx: np.ndarray) -> None:
+        self._ctx[rid] = ctx
+        self._ctx.move_to_end(rid)
+        while len(self._ctx) > self._ctx_cap:
+            self._ctx.popitem(last=False)
+
+    def _slice(self, rid: str, a: int, b: int) -> np.ndarray:
+        """context(rid)[a:b] without rebuilding the whole context."""
+        got = self._ctx.get(rid)
+        if got is not None:
+            return got[a:b]
+        c = self.calls[rid]
+        b = min(b, c.context_len)
+        if b <= a:
+            return np.zeros(0, dtype=np.int32)
+        if b <= CHUNK:
+            return c.head[a:b]
+        if a >= c.prefix_len:
+            return c.own[a - c.prefix_len : b - c.prefix_len]
+        left = self._slice(c.parent, a, min(b, c.prefix_len)) if c.parent else np.zeros(0, np.int32)
+        if b <= c.prefix_len:
+            return left
+        return np.concatenate([left, c.own[: b - c.prefix_len]])
+
+    # -- lookups ---------------------------------------------------------------------------
+    def by_reply(self, msg_key: bytes, reply_digest: bytes) -> str | None:
+        """The call that answered messages named ``msg_key`` with this reply, if any."""
+        return self._by_reply.get((msg_key, reply_digest))
+
+    def find_parent(
+        self, ids: np.ndarray, *, hint: str | None = None
+    ) -> tuple[str | None, int, bytes]:
+        """(parent rid, shared prefix length, ids' chunk hashes): longest prefix over all calls."""
+        if hint is not None and hint in self.calls:
+            c = self.calls[hint]
+            m = min(len(c.hashes) // _H, c.context_len // CHUNK, len(ids) // CHUNK)
+            hashes = chunk_hashes(ids, m, c.hashes[: m * _H])
+        else:
+            hashes = chunk_hashes(ids)
+        if not self.calls:
+            return None, 0, hashes
+        n = len(hashes) // _H
+        lo, hi = 0, n  # largest j with hashes[j-1] known (monotone: a prefix of a prefix)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[(mid - 1) * _H : mid * _H] in self._by_chunk:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = lo
+        base = j * CHUNK
+        want = ids[base : base + CHUNK]
+        if j == 0:  # no full chunk shared: one vectorised compare against every call's head
+            heads = self._heads[: len(self._head_rids), : len(want)]
+            eq = heads == want
+            k_rows = np.where(eq.all(axis=1), len(want), eq.argmin(axis=1))
+            best_k = int(k_rows.max()) if len(k_rows) else 0
+            if best_k == 0:
+                return None, 0, hashes
+            return self._head_rids[int(np.flatnonzero(k_rows == best_k)[-1])], best_k, hashes
+        cands = self._by_chunk[hashes[(j - 1) * _H : j * _H]]
+        best, best_k, best_seq = None, -1, -1
+        for rid in cands:
+            k = base + common_prefix_len(want, self._slice(rid, base, base + CHUNK))
+            seq = self.calls[rid].seq_no
+            if k > best_k or (k == best_k and seq > best_seq):
+                best, best_k, best_seq = rid, k, seq
+        if best is None or best_k == 0:
+            return None, 0, hashes
+        return best, best_k, hashes
+
+    # -- recording -------------------------------------------------------------------------
+    def add(
+        self,
+        request_id: str,
+        seq_no: int,
+        inp: ChatInput,
+        output_ids: np.ndarray,
+        *,
+        reply: bytes | None = None,
+        im_end_id: int | None = None,
+        reply_digest: bytes | None = None,
+    ) -> CallState:
+        """Remember a finished call (after its TITO record is durable).
+
+        ``reply`` is ``reply_key(...)`` of what the gateway answered (or pass its
+        ``digest`` as ``reply_digest``, e.g. when restoring from a journal)."""
+        ids = inp.input_ids
+        out = np.asarray(output_ids, dtype=np.int32)
+        n_in = len(ids)
+        m = len(inp.hashes) // _H
+        if m * CHUNK != n_in - n_in % CHUNK or m == 0:
+            hashes_in = chunk_hashes(ids)
+            m = len(hashes_in) // _H
+        else:
+            hashes_in = inp.hashes
+        tail = np.concatenate([ids[m * CHUNK :], out])
+        extra = chunk_hashes(tail, 0, hashes_in[-_H:] if m else b"")
+        hashes = hashes_in + extra[_H if m else 0 :]
+        ctx_head = np.concatenate([ids[:CHUNK], out[: max(0, CHUNK - n_in)]])
+        c = CallState(
+            request_id=request_id,
+            seq_no=seq_no,
+            parent=inp.parent_request_id,
+            prefix_len=inp.prefix_len,
+            own=np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False),
+            input_len=n_in,
+            output_len=len(out),
+            ended_im_end=bool(len(out) and im_end_id is not None and int(out[-1]) == im_end_id),
+            hashes=hashes,
+            head=ctx_head,
+        )
+        self.calls[request_id] = c
+        n = len(self._head_rids)
+        if n == len(self._heads):
+            grown = np.full((max(16, 2 * n), CHUNK), -1, dtype=np.int32)
+            grown[:n] = self._heads
+            self._heads = grown
+        self._heads[n, : len(ctx_head)] = ctx_head
+        self._head_rids.append(request_id)
+        # Chunks fully inside the parent's shared prefix (and the one after) are already
+        # represented by an ancestor with the same tokens there: register only the rest, so
+        # that recording a call costs O(new tokens), not O(context).
+        first = max(0, inp.prefix_len // CHUNK - 1) if inp.parent_request_id else 0
+        for j in range(first, len(hashes) // _H):
+            self._by_chunk.setdefault(hashes[j * _H : (j + 1) * _H], []).append(request_id)
+        if reply is not None:
+            reply_digest = digest(reply)
+        if inp.msg_key is not None and reply_digest is not None:
+            self._by_reply[(inp.msg_key, reply_digest)] = request_id
+        self._remember(request_id, np.concatenate([ids, out]))
+        return c

@@ -1,0 +1,368 @@
+"""Messages -> token ids with token exactness, and model text -> OpenAI message.
+
+The gateway never re-tokenises what the model generated. For each session it keeps every
+earlier call (delta-encoded like its TITO record) and, for a new chat call:
+
+* **extend**: if the new messages are an earlier call's messages + that call's reply (same
+  content / tool calls as the gateway returned) + more, the input ids are that call's input ids
+  + its output ids *as generated* + the chat template's rendering of what follows. The template
+  is prefix-stable, so the suffix is the text after the rendered prefix, cut right after the
+  reply's ``<|im_end|>`` when the output ended with it (else right before it, so a
+  length-truncated reply is closed by the template).
+* **branch**: otherwise (rollback, summarised context, sub-agent) the whole conversation is
+  templated; the record shares the longest common token prefix with the best earlier call.
+
+Parent selection for every call (chat, completions, generate): the earlier call of the session
+whose input + output shares the longest token prefix with the new input (`infra.gateway.call_index`).
+
+Pure module apart from loading the tokenizer: no HTTP, no event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from typing import Any
+
+import numpy as np
+
+from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, digest
+
+__all__ = [
+    "CHUNK",
+    "ChatInput",
+    "ChatInputError",
+    "ChatTokenizer",
+    "SessionCalls",
+    "apply_stop",
+    "build_chat_input",
+    "build_token_input",
+    "digest",
+    "normalize_messages",
+    "parse_output",
+    "reply_key",
+]
+
+try:
+    import orjson
+
+    def _canon(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+except ImportError:  # pragma: no cover
+
+    def _canon(obj: Any) -> bytes:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class ChatInputError(ValueError):
+    """The messages (or tools) cannot be rendered: a 400 for the harness."""
+
+
+# -- tokenizer + template --------------------------------------------------------------------
+
+
+class ChatTokenizer:
+    """A local HF tokenizer and its chat template, compiled once."""
+
+    def __init__(self, tokenizer_dir: str):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.backend = getattr(self.hf, "backend_tokenizer", None) or self.hf._tokenizer
+        if not self.hf.chat_template:
+            raise ChatInputError(f"tokenizer in {tokenizer_dir} has no chat template")
+        try:  # the compiled jinja template transformers itself caches and uses
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._template = _compile_jinja_template(self.hf.chat_template)
+        except Exception:  # private API moved: go through the public one (slower)
+            self._template = None
+        self._template_kw = dict(self.hf.special_tokens_map)
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        self.im_end = self.hf.eos_token or "<|im_end|>"
+        self.im_end_id = self.hf.convert_tokens_to_ids(self.im_end)
+        self._special_ids = set(self.hf.all_special_ids)
+        self._token_str: dict[int, str] = {}
+        self.message_local = self._check_message_local()
+
+    def _check_message_local(self) -> bool:
+        """Does a message render the same whatever came before it (bar a leading system turn)?
+
+        Then the text a new turn adds can be rendered from a short probe conversation instead
+        of the whole (up to ~1M-token) history. Checked once on synthetic conversations.
+        """
+        tc = [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        convs = [
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+             {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"},
+             {"role": "assistant", "content": "A2"}, {"role": "user", "content": "U3"}],
+            [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "", "tool_calls": tc},
+             {"role": "tool", "content": "R"}, {"role": "assistant", "content": "A2"},
+             {"role": "user", "content": "U3"}],
+        ]  # fmt: skip
+        try:
+            for msgs in convs:
+                for tl in (None, tools):
+                    for k in range(1, len(msgs)):
+                        if msgs[k]["role"] != "assistant":
+                            continue
+                        full = self._suffix(msgs, k, tl, probe=False)
+                        if full is None or full != self._suffix(msgs, k, tl, probe=True):
+                            return False
+        except Exception:
+            return False
+        return True
+
+    def _suffix(self, messages: list[dict], k: int, tools, *, probe: bool) -> tuple | None:
+        """(text after messages[:k+1] up to the reply's end marker, marker cut) or None."""
+        if probe:
+            head = [messages[0]] if k > 0 and messages[0].get("role") == "system" else []
+            pre, new = [*head, messages[k]], [*head, *messages[k:]]
+        else:
+            pre, new = messages[: k + 1], messages
+        t_pre = self.render(pre, tools, False)
+        t_new = self.render(new, tools, True)
+        cut = t_pre.rfind(self.im_end)
+        if cut < 0 or not t_new.startswith(t_pre):
+            return None
+        return t_new[cut:], len(t_pre) - cut
+
+    def suffix_after_reply(self, messages: list[dict], k: int, tools) -> str | None:
+        """Templated text that follows the assistant reply ``messages[k]``, starting at the
+        reply's closing ``<|im_end|>`` (None if the template is not prefix-stable here)."""
+        got = self._suffix(messages, k, tools, probe=self.message_local)
+        return None if got is None else got[0]
+
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        try:
+            if self._template is not None:
+                return self._template.render(
+                    messages=messages,
+                    tools=tools or None,
+                    add_generation_prompt=add_generation_prompt,
+                    **self._template_kw,
+                )
+            return self.hf.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as exc:  # jinja errors on odd message shapes
+            raise ChatInputError(f"cannot render messages with the chat template: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(t) for t in ids], skip_special_tokens=True)
+
+    def token_str(self, tid: int) -> str:
+        s = self._token_str.get(tid)
+        if s is None:
+            s = self.backend.decode([int(tid)], skip_special_tokens=False)
+            self._token_str[tid] = s
+        return s
+
+
+# -- message normalisation -------------------------------------------------------------------
+
+
+def _norm_content(content: Any) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict):
+                out.append({k: v for k, v in part.items() if v is not None})
+            else:
+                raise ChatInputError("message content parts must be objects")
+        return out
+    raise ChatInputError("message content must be a string, a list of parts or null")
+
+
+def _norm_args(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _norm_tool_calls(tool_calls: Any) -> list[dict]:
+    if not tool_calls:
+        return []
+    if not isinstance(tool_calls, list):
+        raise ChatInputError("tool_calls must be a list")
+    out = []
+    for tc in tool_calls:
+        if not isinstance(tc, dict):
+            raise ChatInputError("each tool call must be an object")
+        fn = tc.get("function", tc)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatInputError("a tool call needs function.name")
+        out.append({"name": fn["name"], "arguments": _norm_args(fn.get("arguments", {}))})
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI chat messages; return dicts the template renders (None fields dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatInputError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatInputError(f"messages[{i}] must be an object with a string 'role'")
+        msg: dict[str, Any] = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = _norm_content(m.get("content"))
+        if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise ChatInputError(f"messages[{i}].tool_calls must be a list")
+            _norm_tool_calls(m["tool_calls"])  # validates
+        out.append(msg)
+    return out
+
+
+def message_key(msg: dict) -> bytes:
+    """Canonical bytes of what the template can see of one message (ids of tool calls aside)."""
+    d: dict[str, Any] = {"role": msg["role"], "content": msg.get("content") or ""}
+    if msg.get("tool_calls"):
+        d["tool_calls"] = _norm_tool_calls(msg["tool_calls"])
+    for k in ("name", "reasoning_content"):
+        if msg.get(k):
+            d[k] = msg[k]
+    return _canon(d)
+
+
+def reply_key(content: str | None, tool_calls: list[dict] | None) -> bytes:
+    """Key of an assistant reply as the gateway returned it (matches ``message_key``)."""
+    d: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if tool_calls:
+        d["tool_calls"] = _norm_tool_calls(tool_calls)
+    return _canon(d)
+
+
+def _chain(prev: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(prev + data, digest_size=16).digest()
+
+
+def message_chain(messages: list[dict], tools: list | None) -> list[bytes]:
+    """keys[k] names messages[:k] (and the tools): len(messages) + 1 keys."""
+    keys = [_chain(b"tools", _canon(tools or []))]
+    for m in messages:
+        keys.append(_chain(keys[-1], message_key(m)))
+    return keys
+
+
+# -- output parsing --------------------------------------------------------------------------
+
+
+def parse_output(text: str) -> tuple[str | None, list[dict]]:
+    """Model text -> (content, OpenAI tool_calls). Malformed tool-call blocks -> plain content.
+
+    Content is the text outside ``<tool_call>...</tool_call>`` blocks: the text before the
+    first block (trailing whitespace removed) then any non-blank text between/after blocks.
+    With tool calls and no text, content is None (as OpenAI returns it).
+    """
+    if "<tool_call>" not in text:
+        return text, []
+    blocks = list(_TOOL_BLOCK.finditer(text))
+    if not blocks or text.count("<tool_call>") != len(blocks):
+        return text, []
+    calls = []
+    for b in blocks:
+        try:
+            obj = json.loads(b.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
+    pieces = [text[: blocks[0].start()].rstrip()]
+    for a, b in zip(blocks, [*blocks[1:], None], strict=True):
+        rest = text[a.end() : b.start() if b is not None else len(text)].strip()
+        if rest:
+            pieces.append(rest)
+    content = "\n".join(p for p in pieces if p)
+    return (content or None), calls
+
+
+def apply_stop(text: str, stops: list[str]) -> int | None:
+    """Index in ``text`` where the earliest stop string starts, or None."""
+    best = None
+    for s in stops:
+        if s:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best):
+                best = i
+    return best
+
+
+# -- building inputs -------------------------------------------------------------------------
+
+
+def find_by_reply(
+    calls: SessionCalls, keys: list[bytes], messages: list[dict]
+) -> tuple[str, int] | None:
+    """(call, k): the latest k where messages[:k] + messages[k] (assistant) = an earlier call's
+    messages + its reply as the gateway returned it."""
+    for k in range(len(messages) - 1, -1, -1):
+        if messages[k].get("role") != "assistant":
+            continue
+        rid = calls.by_reply(keys[k], digest(message_key(messages[k])))
+        if rid is not None:
+            return rid, k
+    return None
+
+
+def build_chat_input(
+    tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], tools: list | None
+) -> ChatInput:
+    """Token ids for a chat call: extend an earlier call exactly, else template everything."""
+    keys = message_chain(messages, tools)
+    ids: np.ndarray | None = None
+    hint = None
+    mode = "branch"
+    found = find_by_reply(calls, keys, messages)
+    if found is not None:
+        rid, k = found
+        c = calls.calls[rid]
+        text = tok.suffix_after_reply(messages, k, tools)  # starts at the reply's <|im_end|>
+        if text is not None:
+            if c.ended_im_end:  # the output already holds <|im_end|>: keep the generated id
+                text = text[len(tok.im_end) :]
+            suffix = np.asarray(tok.encode(text), dtype=np.int32)
+            ids = np.concatenate([calls.context(rid), suffix])
+            hint, mode = rid, "extend"
+    if ids is None:
+        ids = np.asarray(tok.encode(tok.render(messages, tools, True)), dtype=np.int32)
+    parent, k, hashes = calls.find_parent(ids, hint=hint)
+    return ChatInput(ids, parent, k, mode, msg_key=keys[-1], hashes=hashes)
+
+
+def build_token_input(calls: SessionCalls, ids: list[int] | np.ndarray) -> ChatInput:
+    """Delta encoding of a call whose input ids the harness sent (completions, generate)."""
+    arr = np.asarray(ids, dtype=np.int32)
+    parent, k, hashes = calls.find_parent(arr)
+    return ChatInput(arr, parent, k, "tokens", hashes=hashes)

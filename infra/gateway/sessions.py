@@ -1,0 +1,161 @@
+"""Gateway sessions: one API key per rollout, the session's calls, its cell.
+
+A key names exactly one session; a harness holding it can read and write only that session.
+Sessions are journaled (``sessions.jsonl`` in the gateway's spool directory, fsynced) so that a
+gateway restarted on the same spool directory still accepts the keys it handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from infra.gateway.call_index import ChatInput, SessionCalls
+from storage.tito import TitoRecord, reconstruct_inputs
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    key: str
+    group_id: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    calls: SessionCalls = field(default_factory=SessionCalls)
+    seq: int = 0  # next seq_no
+    cell_id: str | None = None
+    last_request_id: str | None = None  # latest finished call (its context is the KV to move)
+    inflight: int = 0
+    unrecorded: int = 0  # calls generated whose TITO record is not written yet
+    tokens: int = 0  # unique tokens so far (new input + output of every call)
+    # guards `calls` when a large session's input is built on a worker thread
+    state_lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: asyncio.Lock | None = None
+
+    def next_seq(self) -> int:
+        s = self.seq
+        self.seq += 1
+        return s
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Serialises cell moves of this session (created on the event loop)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+
+class SessionTable:
+    """Sessions by id and by key; thread-safe creation, journaled when given a path."""
+
+    def __init__(self, journal: str | None = None):
+        self._by_id: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._journal = journal
+        if journal and os.path.exists(journal):
+            with open(journal, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        d = json.loads(line)
+                    except ValueError:  # a torn last line: that session was never handed out
+                        continue
+                    self._put(
+                        Session(
+                            d["session_id"], d["key"], d.get("group_id", ""), d.get("meta") or {}
+                        )
+                    )
+
+    def _put(self, s: Session) -> None:
+        self._by_id[s.session_id] = s
+        self._by_key[s.key] = s
+
+    def new(
+        self, session_id: str | None = None, *, group_id: str = "", meta: dict | None = None
+    ) -> Session:
+        sid = session_id or f"sess-{uuid.uuid4().hex}"
+        if not isinstance(sid, str) or not sid or len(sid) > 200:
+            raise ValueError("session_id must be a non-empty string of at most 200 characters")
+        with self._lock:
+            if sid in self._by_id:
+                raise ValueError(f"session {sid!r} already exists")
+            s = Session(sid, f"gyre-{secrets.token_urlsafe(24)}", group_id, dict(meta or {}))
+            if self._journal:
+                line = json.dumps(
+                    {"session_id": sid, "key": s.key, "group_id": group_id, "meta": s.meta}
+                )
+                # the journal holds API keys: readable by this user only
+                fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            self._put(s)
+        return s
+
+    def by_key(self, key: str) -> Session | None:
+        s = self._by_key.get(key)
+        # constant-time compare of the stored key (the dict lookup already matched)
+        if s is not None and hmac.compare_digest(s.key, key):
+            return s
+        return None
+
+    def get(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def all(self) -> list[Session]:
+        return list(self._by_id.values())
+
+
+# -- restart: rebuilding a session's call index --------------------------------------------
+
+
+def read_key_journal(path: str) -> dict[str, dict[str, tuple[bytes, bytes]]]:
+    """session -> request -> (messages key, reply digest), from the gateway's key journal
+    (lines ``session request msgkey-hex replydigest-hex``; a torn last line is skipped)."""
+    out: dict[str, dict[str, tuple[bytes, bytes]]] = {}
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                parts = line.rstrip(b"\n").split(b" ")
+                if len(parts) != 4:
+                    continue
+                try:
+                    keys = (bytes.fromhex(parts[2].decode()), bytes.fromhex(parts[3].decode()))
+                except ValueError:
+                    continue
+                out.setdefault(parts[0].decode(), {})[parts[1].decode()] = keys
+    except OSError:
+        pass
+    return out
+
+
+def restore_calls(
+    s: Session, records: list[TitoRecord], keys: dict[str, tuple[bytes, bytes]], im_end_id: int
+) -> None:
+    """Refill ``s.calls`` from the session's TITO records (and message keys, so that the next
+    chat turn extends the last call exactly as before the restart)."""
+    if not records:
+        return
+    full = reconstruct_inputs(records)
+    for r in sorted(records, key=lambda r: r.seq_no):
+        mk, rk = keys.get(r.request_id, (None, None))
+        inp = ChatInput(
+            full[r.request_id], r.parent_request_id, r.prefix_len, "restored", msg_key=mk
+        )
+        out = np.asarray(r.output_ids, dtype=np.int32)
+        s.calls.add(r.request_id, r.seq_no, inp, out, reply_digest=rk, im_end_id=im_end_id)
+        s.last_request_id = r.request_id
+    s.seq = max(s.seq, max(r.seq_no for r in records) + 1)
+    s.tokens = sum(len(r.new_input_ids) + len(r.output_ids) for r in records)

@@ -1,0 +1,54 @@
+"""Shared fixtures of the gateway integration tests: real engines behind real HTTP servers.
+
+`ScriptedEngine` is the real embedded engine (model, KV cache, batching, HTTP server) with two
+test hooks: it records the exact input ids of every request it receives (what token exactness
+is checked against), and it can be told what the *next* request's reply tokens are, so that a
+random-weight tiny model still "decides" to call a tool. A scripted token is teacher-forced: the
+reported logprob is still the model's own ``log_softmax`` of that token.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from infra.engine.engine import Engine
+
+
+class ScriptedEngine(Engine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.received: dict[str, list[int]] = {}
+        self.requests: dict = {}
+        self.replies: collections.deque[list[int]] = collections.deque()
+        self.scripts: dict[str, list[int]] = {}
+        self._hook_lock = threading.Lock()
+
+    def submit(
+        self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, listener=None
+    ):
+        with self._hook_lock:
+            if rid is not None and self.replies:
+                self.scripts[rid] = self.replies.popleft()
+        req = super().submit(
+            input_ids, sampling_params, rid=rid, return_logprob=return_logprob, listener=listener
+        )
+        with self._hook_lock:
+            self.received[req.rid] = list(req.input_ids)
+            self.requests[req.rid] = req
+        return req
+
+    def _emit(self, req, logits):
+        script = self.scripts.get(req.rid)
+        if script is None:
+            return super()._emit(req, logits)
+        i = len(req.output_ids)
+        tok = script[i] if i < len(script) else self.eos_token_ids[0]
+        real = float(torch.log_softmax(logits.float(), dim=-1)[tok])
+        forced = torch.full_like(logits, -1e9)
+        forced[tok] = 0.0
+        reason = super()._emit(req, forced)
+        req.output_logprobs[-1] = real
+        return reason

@@ -32,7 +32,9 @@ _ENV_DEFAULTS = {
 
 
 def _serve_file() -> Path:
-    return Path(os.environ.get("GYRE_CACHE", "~/.cache/gyre")).expanduser() / "serve.json"
+    from storage.paths import cache_dir
+
+    return cache_dir() / "serve.json"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -153,12 +155,14 @@ def cmd_session(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flows.config import PRESETS  # pure and light: pydantic + the section models
+
     p = argparse.ArgumentParser(prog="gyre", description="elastic RL for long-horizon LLM agents")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run the RL flow (Prefect flow rl_run on a Dask cluster)")
     r.add_argument("--config", help="YAML run config")
-    r.add_argument("--preset", choices=["tiny", "demo"], default="tiny")
+    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.set_defaults(fn=cmd_run)

@@ -9,11 +9,9 @@ Prefect's DaskTaskRunner. Trigger it with ``gyre run`` or from the Prefect UI
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import dask
@@ -25,13 +23,15 @@ from prefect_dask import DaskTaskRunner
 from tqdm import tqdm
 
 from flows import live
-from flows.config import RunConfig, config_to_dict, load_config
+from flows.config import RunConfig, load_config
 from infra.cells.cluster import default_worker_env, start_cells
 from infra.cells.engines import load_weights, start_engine
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.checkpoints import latest_version, publish_checkpoint
+from storage.paths import spool_dir
 from storage.store import Store
+from tasks.handles import ProcessedStep, TrainedStep
 from tasks.process import process_step
 from tasks.rollout import rollout_group
 from tasks.train_step import train_step
@@ -73,23 +73,21 @@ def _cell_event(
 @flow(name="rl_loop", flow_run_name="{run_id}-loop")
 def rl_loop(
     run_id: str,
-    cfg: dict[str, Any],
+    cfg: RunConfig,
     store: Store,
-    admin_token: str,
     start_version: int,
 ) -> dict[str, Any]:
     """steps x (rollout groups -> process -> train step -> publish weights to rollout cells)."""
     logger = get_run_logger()
     cells, gateway = live.lookup(run_id)
-    rcfg, tcfg = cfg["rollout"], cfg["train"]
+    rcfg, tcfg = cfg.rollout, cfg.train
     version = start_version
-    history: list[dict[str, Any]] = []
+    history: list[tuple[ProcessedStep, TrainedStep]] = []
     bar = tqdm(
-        range(tcfg["steps"]),
+        range(tcfg.steps),
         desc=f"gyre {run_id}",
         unit="step",
         file=sys.stderr,
-        disable=os.environ.get("GYRE_PROGRESS", "1") == "0",
     )
     for step in bar:
         bar.set_postfix_str(f"v{version} rollout")
@@ -100,15 +98,15 @@ def rl_loop(
             futures = [
                 rollout_group.submit(
                     gateway.url,
-                    admin_token,
+                    gateway.admin_token,
                     store,
                     run_id,
                     step,
                     f"s{step}-g{g}",
-                    rcfg["seed"] * 1_000_003 + step * 1009 + g,
+                    rcfg.seed * 1_000_003 + step * 1009 + g,
                     rcfg,
                 )
-                for g in range(rcfg["groups_per_step"])
+                for g in range(rcfg.groups_per_step)
             ]
         sessions = [h for f in futures for h in f.result()]
         gateway.flush()  # every answered call is in the store before processing
@@ -119,15 +117,16 @@ def rl_loop(
         bar.set_postfix_str(f"v{version} train")
         with dask.annotate(resources={"train": 1}):
             trained = train_step.submit(
-                store, run_id, step, processed["samples_segment"], tcfg
+                store, run_id, step, processed.samples_segment, tcfg
             ).result()
-        version = trained["weight_version"]
+        version = trained.weight_version
         for addr in cells.with_role("rollout"):
             cells.run_on(addr, load_weights, store, run_id, version)
             _cell_event(store, run_id, cells.cell_id(addr), "load_weights", "rollout", version)
-        history.append({"step": step, **processed, **trained})
+        history.append((processed, trained))
         bar.set_postfix_str(
-            f"v{version} reward {processed['reward_mean']:.3f} loss {trained['train/loss']:.4f}"
+            f"v{version} reward {processed.reward_mean:.3f} "
+            f"loss {trained.metrics['train/loss']:.4f}"
         )
         logger.info(
             "step %d done: v%d published to %d rollout cells",
@@ -167,7 +166,6 @@ def rl_run(
         **default_worker_env(),
         "PREFECT_API_URL": str(api_url).rstrip("/"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "GYRE_PROGRESS": "0",
     }
     n_cells = cfg.cluster.rollout_cells + cfg.cluster.train_cells
     admin_token = secrets.token_urlsafe(24)
@@ -184,14 +182,13 @@ def rl_run(
             cells.set_role(addr, role)
             _cell_event(st, run_id, cells.cell_id(addr), "join", role, version)
         # the write-ahead log of answered calls lives where a later process can replay it
-        spool = Path(os.environ.get("GYRE_CACHE", "~/.cache/gyre")).expanduser() / "spool"
         gateway = Gateway(
             st,
             run_id=run_id,
             tokenizer_dir=model_dir,
             admin_token=admin_token,
             port=cfg.gateway.port,
-            spool_dir=str(spool / run_id),
+            spool_dir=str(spool_dir(run_id)),
         )
         gateway.start()
         try:
@@ -205,6 +202,7 @@ def rl_run(
                     weight_version=version,
                     max_batch_size=cfg.model.max_batch_size,
                     kv_cache_tokens=cfg.model.kv_cache_tokens,
+                    audit_dir=cfg.model.audit_dir,
                 )
                 if version > 0:
                     cells.run_on(addr, load_weights, st, run_id, version)
@@ -217,9 +215,7 @@ def rl_run(
             )
             runner = DaskTaskRunner(address=cells.scheduler_address)
             live.register(run_id, cells, gateway)
-            loop = rl_loop.with_options(task_runner=runner)(
-                run_id, config_to_dict(cfg), st, admin_token, version
-            )
+            loop = rl_loop.with_options(task_runner=runner)(run_id, cfg, st, version)
         finally:
             live.drop(run_id)
             gateway.stop()
@@ -232,12 +228,12 @@ def rl_run(
         "store": st.url,
         "steps": len(steps),
         "weight_version": loop["weight_version"],
-        "calls": sum(s["n_calls"] for s in steps),
-        "tokens_unique": sum(s["tokens_unique"] for s in steps),
-        "tokens_flat": sum(s["tokens_flat"] for s in steps),
-        "tokens_trained": int(sum(s["train/tokens"] for s in steps)),
-        "mean_reward": (sum(s["reward_mean"] for s in steps) / len(steps)) if steps else 0.0,
-        "final_loss": steps[-1]["train/loss"] if steps else None,
+        "calls": sum(p.n_calls for p, _ in steps),
+        "tokens_unique": sum(p.tokens_unique for p, _ in steps),
+        "tokens_flat": sum(p.tokens_flat for p, _ in steps),
+        "tokens_trained": int(sum(t.metrics["train/tokens"] for _, t in steps)),
+        "mean_reward": (sum(p.reward_mean for p, _ in steps) / len(steps)) if steps else 0.0,
+        "final_loss": steps[-1][1].metrics["train/loss"] if steps else None,
         "seconds": round(time.monotonic() - t0, 1),
     }
     create_markdown_artifact(

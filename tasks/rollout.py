@@ -18,7 +18,9 @@ from prefect.logging import get_run_logger
 
 from storage.store import Store
 from tasks.env.arith import ArithEnv
+from tasks.env.config import RolloutConfig
 from tasks.env.harness import run_agent
+from tasks.handles import SessionHandle
 
 
 def new_session(
@@ -37,7 +39,7 @@ def new_session(
 
 
 async def _run_session(
-    gateway_url: str, key: str, env: ArithEnv, cfg: dict[str, Any], seed: int
+    gateway_url: str, key: str, env: ArithEnv, cfg: RolloutConfig, seed: int
 ) -> dict[str, Any]:
     status, reason, calls = "finished", "", 0
     try:
@@ -46,18 +48,18 @@ async def _run_session(
                 gateway_url,
                 key,
                 env,
-                max_tokens=cfg["max_new_tokens"],
-                temperature=cfg["temperature"],
-                top_p=cfg["top_p"],
+                max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
                 seed=seed,
-                max_attempts=cfg["max_attempts"],
-                summarize_every=cfg["summarize_every"],
+                max_attempts=cfg.max_attempts,
+                summarize_every=cfg.summarize_every,
             ),
-            timeout=cfg["timeout_s"],
+            timeout=cfg.timeout_s,
         )
         calls = res.calls
     except TimeoutError:
-        status, reason = "timeout", f"rollout exceeded {cfg['timeout_s']}s"
+        status, reason = "timeout", f"rollout exceeded {cfg.timeout_s}s"
         env.mark("timeout", reason)
     except Exception as exc:  # the harness is a black box: record, never drop
         status, reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
@@ -77,11 +79,11 @@ def rollout_group(
     task_seed: int,
     cfg: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Run ``cfg['group_size']`` sessions of one task concurrently; returns small handles."""
+    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
     logger = get_run_logger()
     envs, keys, sids = [], [], []
-    for i in range(cfg["group_size"]):
-        env = ArithEnv.create(task_seed, cfg["subtasks"])
+    for i in range(cfg.group_size):
+        env = ArithEnv.create(task_seed, cfg.subtasks)
         sid, key = new_session(
             gateway_url, admin_token, group_id, {"step": step, "task_id": env.task_id, "member": i}
         )
@@ -92,9 +94,7 @@ def rollout_group(
     async def _all():
         return await asyncio.gather(
             *[
-                _run_session(
-                    gateway_url, k, e, cfg, seed=cfg["seed"] * 100_003 + task_seed * 101 + i
-                )
+                _run_session(gateway_url, k, e, cfg, seed=cfg.seed * 100_003 + task_seed * 101 + i)
                 for i, (k, e) in enumerate(zip(keys, envs, strict=True))
             ]
         )
@@ -107,18 +107,20 @@ def rollout_group(
         for r in env.score_rows():
             rows.append({"run_id": run_id, "session_id": sid, **r})
         handles.append(
-            {
-                "session_id": sid,
-                "group_id": group_id,
-                "task_id": env.task_id,
-                "step": step,
-                "subtasks": {t.subtask_id: t.weight for t in env.subtasks},
-                **out,
-            }
+            SessionHandle(
+                session_id=sid,
+                group_id=group_id,
+                task_id=env.task_id,
+                step=step,
+                status=out["status"],
+                subtasks={t.subtask_id: t.weight for t in env.subtasks},
+                reason=out["reason"],
+                calls=out["calls"],
+            )
         )
     store.append("scores", rows)
-    n_calls = sum(h["calls"] for h in handles)
-    bad = [h for h in handles if h["status"] != "finished"]
+    n_calls = sum(h.calls for h in handles)
+    bad = [h for h in handles if h.status != "finished"]
     logger.info(
         "group %s: %d sessions, %d calls in %.1fs%s",
         group_id,

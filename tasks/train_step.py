@@ -18,9 +18,11 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.logging import get_run_logger
 
-from infra.cells.cluster import this_cell
+from infra.cells.cluster import cell_name, this_cell
 from storage.checkpoints import fetch_checkpoint, latest_version, publish_checkpoint
 from storage.store import Store
+from tasks.handles import TrainedStep
+from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
 from tasks.trajectory.sampler import Sample
 
@@ -35,22 +37,22 @@ def load_samples(store: Store, segment: str) -> list[Sample]:
     return [Sample.from_row(r) for r in rows]
 
 
-def _trainer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+def _trainer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return {
-        "lr": cfg["lr"],
-        "loss": cfg["loss"],
-        "clip_eps_low": cfg["clip_eps_low"],
-        "clip_eps_high": cfg["clip_eps_high"],
-        "max_tokens_per_micro": cfg["max_tokens_per_micro"],
-        "seed": cfg["seed"],
-        "is_cap": cfg["is_cap"],
+        "lr": cfg.lr,
+        "loss": cfg.loss,
+        "clip_eps_low": cfg.clip_eps_low,
+        "clip_eps_high": cfg.clip_eps_high,
+        "max_tokens_per_micro": cfg.max_tokens_per_micro,
+        "seed": cfg.seed,
+        "is_cap": cfg.is_cap,
         # "is": stale tokens reach the trainer and get truncated importance weights;
         # "drop": the sampler already removed them
-        "max_staleness": cfg["max_staleness"] if cfg["stale_policy"] == "is" else None,
+        "max_staleness": cfg.max_staleness if cfg.stale_policy == "is" else None,
     }
 
 
-def get_trainer(store: Store, run_id: str, cfg: dict[str, Any], holder: Any = None) -> Trainer:
+def get_trainer(store: Store, run_id: str, cfg: TrainConfig, holder: Any = None) -> Trainer:
     """The cell's trainer replica at the newest version, restored from the store if needed."""
     version = latest_version(store, run_id)
     if version is None:
@@ -70,11 +72,11 @@ def train_on_samples(
     run_id: str,
     step: int,
     samples_segment: str | None,
-    cfg: dict[str, Any],
+    cfg: TrainConfig,
     *,
     holder: Any = None,
     cell_id: str = "local",
-) -> dict[str, Any]:
+) -> TrainedStep:
     """The body of ``train_step`` (callable without Prefect and Dask, e.g. in tests)."""
     t0 = time.time()
     samples = load_samples(store, samples_segment) if samples_segment else []
@@ -126,13 +128,13 @@ def train_on_samples(
             }
         ],
     )
-    return {"weight_version": version, "checkpoint": url, **metrics}
+    return TrainedStep(step=step, weight_version=version, checkpoint=url, metrics=metrics)
 
 
 @task(name="train-step", task_run_name="train-step-{step}")
 def train_step(
-    store: Store, run_id: str, step: int, samples_segment: str | None, cfg: dict[str, Any]
-) -> dict[str, Any]:
+    store: Store, run_id: str, step: int, samples_segment: str | None, cfg: TrainConfig
+) -> TrainedStep:
     """One optimizer step on this training cell; returns the new version and metrics."""
     cell = this_cell()
     out = train_on_samples(
@@ -142,15 +144,15 @@ def train_step(
         samples_segment,
         cfg,
         holder=cell,
-        cell_id="cell-" + cell.worker_address.rsplit(":", 1)[-1],
+        cell_id=cell_name(cell.worker_address),
     )
     get_run_logger().info(
         "step %d -> v%d: loss %.4f, %d tokens (%d trainable), grad norm %.3f",
         step,
-        out["weight_version"],
-        out["train/loss"],
-        out["train/tokens"],
-        out["train/trainable_tokens"],
-        out["train/grad_norm"],
+        out.weight_version,
+        out.metrics["train/loss"],
+        out.metrics["train/tokens"],
+        out.metrics["train/trainable_tokens"],
+        out.metrics["train/grad_norm"],
     )
     return out

@@ -62,6 +62,13 @@ class CellPlugin(WorkerPlugin):
             self.engine = None
 
 
+def cell_name(worker_address: str) -> str:
+    """A cell's id from its worker address: host and port, so that two hosts whose
+    workers listen on the same port stay apart (``tcp://10.0.0.5:40123`` ->
+    ``cell-10.0.0.5:40123``)."""
+    return "cell-" + worker_address.split("://", 1)[-1]
+
+
 def this_cell() -> CellPlugin:
     """The CellPlugin of the worker process running the caller (inside a Dask task)."""
     return get_worker().plugins[PLUGIN_NAME]
@@ -80,7 +87,7 @@ class Cells:
         return self.client.scheduler.address
 
     def cell_id(self, address: str) -> str:
-        return "cell-" + address.rsplit(":", 1)[-1]
+        return cell_name(address)
 
     def with_role(self, role: str) -> list[str]:
         return sorted(a for a, r in self.roles.items() if r == role)
@@ -169,6 +176,5 @@ def default_worker_env() -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY",
         "AWS_DEFAULT_REGION",
         "HF_HUB_OFFLINE",
-        "GYRE_ENGINE_AUDIT_DIR",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}

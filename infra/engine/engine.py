@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import logging
 import os
 import queue
@@ -113,8 +114,13 @@ class Engine:
         dtype=torch.float32,
         cell_id: str = "local",
         torch_threads: int | None = 1,
+        audit_path: str | None = None,
     ):
         """Load `model_dir` and start the scheduler thread.
+
+        `audit_path`: append every admitted request (``{"rid", "input_ids"}``) to this
+        JSONL file, so that what the engine was asked can be audited against what the
+        gateway recorded in TITO (token exactness, end to end).
 
         `torch_threads`: intra-op threads of the scheduler thread (`torch.set_num_threads`
         there; with torch's OpenMP backend other threads keep their own). The default 1 is
@@ -123,6 +129,7 @@ class Engine:
         4.7 ms). None leaves torch's setting alone.
         """
         self.model_dir = str(model_dir)
+        self._audit = _AuditLog(audit_path) if audit_path else None
         self.device = torch.device(device)
         self.dtype = dtype
         self.cell_id = cell_id
@@ -233,6 +240,8 @@ class Engine:
         )
         if listener is not None:
             req.listeners.append(listener)
+        if self._audit is not None:
+            self._audit.write(req.rid, ids)
         with self._wake:
             self._inbox.append(req)
             self._wake.notify()
@@ -442,6 +451,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._audit is not None:
+            self._audit.close()
         self._kick()
         self._thread.join(timeout=10)
         for r in self._inbox + self._waiting + self._running:
@@ -830,3 +841,22 @@ class Engine:
         req.finished_at = time.time()
         req.done.set()
         req.notify()
+
+
+class _AuditLog:
+    """Append-only JSONL of the requests an engine admitted (see ``Engine(audit_path=)``)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fh = open(path, "a")  # noqa: SIM115  (lives as long as the engine)
+        self._lock = threading.Lock()
+
+    def write(self, rid: str, input_ids) -> None:
+        line = json.dumps({"rid": rid, "input_ids": [int(t) for t in input_ids]})
+        with self._lock:
+            self._fh.write(line + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._fh.close()

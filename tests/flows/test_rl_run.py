@@ -27,11 +27,11 @@ GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 def _run(store_url: str, audit_dir: Path) -> dict:
     from flows.rl_run import rl_run
 
-    os.environ["GYRE_ENGINE_AUDIT_DIR"] = str(audit_dir)
-    try:
-        return rl_run(preset="tiny", store=store_url, overrides=["rollout.group_size=3"])
-    finally:
-        os.environ.pop("GYRE_ENGINE_AUDIT_DIR", None)
+    return rl_run(
+        preset="tiny",
+        store=store_url,
+        overrides=["rollout.group_size=3", f"model.audit_dir={audit_dir}"],
+    )
 
 
 def _audited(audit_dir: Path) -> dict[str, list[int]]:

@@ -59,7 +59,7 @@ def test_chain_plan_by_hand_matches_mask():
 
 def random_sample(seed, n_calls=15):
     recs, spans = random_session(np.random.default_rng(seed), n_calls=n_calls, vocab=8)
-    (smp,) = build_samples(build_trees(recs, spans=spans), {"s0": 1.0}, estimator="reward")
+    (smp,) = build_samples(build_trees(recs, spans=spans), {"s0": 1.0}, advantage="reward")
     return smp
 
 

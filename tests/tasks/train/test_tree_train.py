@@ -214,7 +214,7 @@ def test_tree_equals_flat_with_stale_tokens_truncated_is():
     model = tiny_model(seed=3)
     recs, spans = session(7, "s0", n_calls=12)
     trees = build_trees(recs, spans=spans)
-    samples = build_samples(trees, {"s0": 1.0}, estimator="reward")
+    samples = build_samples(trees, {"s0": 1.0}, advantage="reward")
     branches = flat_branches(recs, spans, 1.0, "s0")
     vmax = max(r.weight_version for r in recs)
     dl, dg, _, _, _ = compare(
@@ -231,7 +231,7 @@ def test_ancestor_mask_reaches_attention():
         TitoRecord("run", "s", "a", 0, None, 0, [1, 2, 3], [4, 5], [-1.0, -1.0], 0),
         TitoRecord("run", "s", "b", 1, "a", 3, [6, 7], [8, 9], [-1.0, -1.0], 0),
     ]
-    (smp,) = build_samples(build_trees(recs), {"s": 1.0}, estimator="reward")
+    (smp,) = build_samples(build_trees(recs), {"s": 1.0}, advantage="reward")
     (p,) = pack([smp], 64)
     sel = np.flatnonzero(p.parent_idx >= 0)
     with torch.no_grad():

@@ -37,7 +37,7 @@ def as_dict(sample):
 
 
 def test_weights_by_hand_and_pruning():
-    (smp,) = build_samples([small_tree()], {"s": 0.5}, estimator="reward", run_id="run", step=3)
+    (smp,) = build_samples([small_tree()], {"s": 0.5}, advantage="reward", run_id="run", step=3)
     # token 9 (trailing harness input of d) trains nothing: pruned
     assert smp.token_ids.tolist() == [1, 2, 3, 4, 7, 8, 5, 6]
     assert smp.parent_idx.tolist() == [-1, 0, 1, 2, 3, 4, 1, 6]
@@ -65,7 +65,7 @@ def test_shared_prefix_weight_is_sum_over_branches_and_signs_split():
     t.add(rec("a", None, 0, [1], [2, 3]))
     t.add(rec("b", "a", 3, [4], [5]))
     t.add(rec("c", "a", 3, [6], [7]))
-    (pos,) = build_samples([t], {"s": 1.0}, estimator="reward")
+    (pos,) = build_samples([t], {"s": 1.0}, advantage="reward")
     assert as_dict(pos)[2] == (2.0, 0.0)  # two branches through a's output
     # GRPO: two rollouts of one task, rewards 1 and 0 -> advantages (1 - 0.5) / 0.5 = +1, -1
     t2 = TrajectoryTree("u")
@@ -87,12 +87,12 @@ def test_group_advantages():
 
 def test_staleness_drop_and_is():
     t = small_tree(versions=(0, 2, 2, 2))
-    (drop,) = build_samples([t], {"s": 1.0}, estimator="reward", current_version=3, max_staleness=1)
+    (drop,) = build_samples([t], {"s": 1.0}, advantage="reward", current_version=3, max_staleness=1)
     w = as_dict(drop)
     assert w[3] == (0, 0) and w[4] == (0, 0) and w[5] == (1, 0) and w[8] == (1, 0)
     assert drop.n_flat_trainable == 2 + 1
     (keep,) = build_samples(
-        [t], {"s": 1.0}, estimator="reward", current_version=3, max_staleness=1, stale_mode="is"
+        [t], {"s": 1.0}, advantage="reward", current_version=3, max_staleness=1, stale_policy="is"
     )
     assert as_dict(keep)[3] == (1, 0) and keep.versions[2] == 0
     with pytest.raises(SamplingError, match="current_version"):
@@ -113,7 +113,7 @@ def test_per_subtask_credit_follows_the_branch():
         [t, u],
         {"s": 0.5, "u": 0.5},
         {"s": "g", "u": "g"},
-        estimator="per_subtask",
+        advantage="per_subtask",
         scores=scores,
         normalize_std=False,
     )
@@ -129,7 +129,7 @@ def test_sub_agent_tree_takes_its_root_reward():
     a, _ = random_session(np.random.default_rng(0), n_calls=3, session_id="main")
     b, _ = random_session(np.random.default_rng(1), n_calls=3, session_id="sub")
     trees = build_trees(a + b, session_parents={"sub": "main"})
-    smps = build_samples(trees, {"main": 1.0}, estimator="reward")
+    smps = build_samples(trees, {"main": 1.0}, advantage="reward")
     assert {s.session_id: s.reward for s in smps} == {"main": 1.0, "sub": 1.0}
     assert all(s.weight_neg.min() == 0 for s in smps)
     with pytest.raises(SamplingError, match="no reward"):
@@ -137,7 +137,7 @@ def test_sub_agent_tree_takes_its_root_reward():
 
 
 def test_rows_round_trip_through_schema():
-    (smp,) = build_samples([small_tree()], {"s": 0.25}, estimator="reward", run_id="run")
+    (smp,) = build_samples([small_tree()], {"s": 0.25}, advantage="reward", run_id="run")
     table = pa.Table.from_pylist([smp.to_row()], schema=SAMPLES_SCHEMA)
     back = Sample.from_row(table.to_pylist()[0])
     for f in ("token_ids", "parent_idx", "positions", "weight_pos", "weight_neg", "versions"):
@@ -154,7 +154,7 @@ def test_weights_match_per_branch_reference(seed):
     )
     tree = TrajectoryTree("s0")
     tree.extend(recs, spans)
-    (smp,) = build_samples([tree], {"s0": 0.7}, estimator="reward", prune=False)
+    (smp,) = build_samples([tree], {"s0": 0.7}, advantage="reward", prune=False)
     ref = reference_paths(recs, spans)
     ft = tree.flatten()
     want = np.zeros(ft.n_tokens)
@@ -190,7 +190,7 @@ def test_weights_match_per_branch_reference(seed):
 
 
 def test_flat_layout_is_one_chain_per_branch():
-    flat = build_samples([small_tree()], {"s": 0.5}, estimator="reward", layout="flat")
+    flat = build_samples([small_tree()], {"s": 0.5}, advantage="reward", layout="flat")
     got = {
         s.sample_id.rsplit("/", 1)[1]: (s.token_ids.tolist(), s.weight_pos.tolist()) for s in flat
     }
@@ -199,6 +199,6 @@ def test_flat_layout_is_one_chain_per_branch():
         "d": ([1, 2, 3, 4, 7, 8], [0, 0, 0.5, 0.5, 0, 0.5]),  # trailing 9 cut
     }
     assert all(np.array_equal(s.parent_idx, np.arange(s.n_tokens) - 1) for s in flat)
-    (tree,) = build_samples([small_tree()], {"s": 0.5}, estimator="reward")
+    (tree,) = build_samples([small_tree()], {"s": 0.5}, advantage="reward")
     assert sum(s.n_flat_trainable for s in flat) == tree.n_flat_trainable
     assert sum(s.n_flat_tokens for s in flat) == tree.n_flat_tokens

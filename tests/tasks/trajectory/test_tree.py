@@ -17,6 +17,7 @@ from tasks.trajectory.tree import (
     TreeError,
     build_trees,
     root_session,
+    session_parents,
 )
 
 
@@ -175,8 +176,14 @@ def test_build_trees_links_sub_agent_sessions():
         trees["sub"].parent_session_id == "main"
         and trees["sub"].parent_request_id == a[1].request_id
     )
-    assert root_session(trees, "subsub") == "main"
+    assert root_session(session_parents(trees), "subsub") == "main"
     assert len(trees["main"]) == 4
+
+
+def test_root_session_refuses_a_cycle():
+    assert root_session({"c": "b", "b": "a", "a": None}, "c") == "a"
+    with pytest.raises(TreeError, match="cycle"):
+        root_session({"a": "b", "b": "a"}, "a")
 
 
 def test_long_rollout_builds_fast_and_exact():

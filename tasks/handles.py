@@ -1,0 +1,49 @@
+"""Handles passed between the Prefect tasks and the flow: small, frozen, picklable.
+
+A task returns where its output is and what it counts, never the data itself
+(STYLE.md habit 2): sessions by id, samples by segment path, weights by version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    """One finished (or failed, or timed-out) rollout session."""
+
+    session_id: str
+    group_id: str
+    task_id: str
+    step: int
+    status: str  # finished | timeout | failed
+    subtasks: dict[str, float] = field(default_factory=dict)  # declared sub-task -> weight
+    reason: str = ""
+    calls: int = 0
+    parent_session_id: str | None = None  # the session a sub-agent session works for
+
+
+@dataclass(frozen=True)
+class ProcessedStep:
+    """Trees, scores and samples of one step's sessions, in the store."""
+
+    step: int
+    samples_segment: str | None
+    sample_ids: tuple[str, ...]
+    n_samples: int
+    n_calls: int
+    n_nodes: int
+    tokens_unique: int
+    tokens_flat: int
+    reward_mean: float
+
+
+@dataclass(frozen=True)
+class TrainedStep:
+    """One optimizer step: the version it published and its metrics (``train/...``)."""
+
+    step: int
+    weight_version: int
+    checkpoint: str
+    metrics: dict[str, float] = field(default_factory=dict)

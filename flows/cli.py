@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 DEFAULT_STORE = "./gyre-data"
+SQL_STORE_RETRY_S = 15.0  # an interactive query waits less for an unreachable store than a run
 
 # Set before prefect/distributed are imported (also inherited by worker processes).
 _ENV_DEFAULTS = {
@@ -75,11 +76,20 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from storage.store import Store, StoreError
 
     try:
-        store = Store(args.store)
+        store = Store(args.store, create=False, retry_s=SQL_STORE_RETRY_S)
+    except StoreError as exc:
+        print(f"gyre sql: {exc}", file=sys.stderr)
+        return 2
+    try:
         print(format_table(query(store, args.query or VIEW_COUNTS), args.format))
     except (SqlError, StoreError) as exc:
         print(f"gyre sql: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for seg in store.quarantined:
+            print(
+                f"gyre sql: corrupt segment {seg} quarantined (see _quarantine/)", file=sys.stderr
+            )
     return 0
 
 

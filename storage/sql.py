@@ -17,6 +17,7 @@ store are all refused before anything is touched.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import duckdb
@@ -91,16 +92,45 @@ def check_read_only(sql: str) -> None:
         )
 
 
+_FILE_IN_ERROR = re.compile(r"'([^']+\.parquet)'")
+MAX_QUARANTINES_PER_QUERY = 64
+
+
 def query(store: Store, sql: str) -> pa.Table:
-    """Run one read-only query; returns an Arrow table."""
+    """Run one read-only query; returns an Arrow table.
+
+    A segment DuckDB cannot decode is checked with pyarrow; if it is corrupt it is
+    quarantined (``Store.quarantine``: moved aside, logged, listed in
+    ``store.quarantined``) and the query runs again without it.
+    """
     check_read_only(sql)
-    con = connect(store)
-    try:
-        return con.sql(sql).to_arrow_table()
-    except duckdb.Error as exc:
-        raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
-    finally:
-        con.close()
+    for _ in range(MAX_QUARANTINES_PER_QUERY + 1):
+        try:
+            con = connect(store)
+        except duckdb.Error as exc:
+            if _quarantine_named_segment(store, exc):
+                continue
+            raise SqlError(f"cannot open the store's views: {exc}") from exc
+        try:
+            return con.sql(sql).to_arrow_table()
+        except duckdb.Error as exc:
+            if _quarantine_named_segment(store, exc):
+                continue
+            raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
+        finally:
+            con.close()
+    raise SqlError(f"more than {MAX_QUARANTINES_PER_QUERY} corrupt segments: check {store.url}")
+
+
+def _quarantine_named_segment(store: Store, exc: duckdb.Error) -> bool:
+    """Quarantine the store segment a DuckDB error names, if it really is corrupt."""
+    for path in _FILE_IN_ERROR.findall(str(exc)):
+        rel = path.split("://", 1)[-1]
+        if not rel.strip("/").startswith(store.root.strip("/")) or "*" in rel:
+            continue
+        if store.read_segment(rel) is None:  # it was corrupt: now quarantined
+            return True
+    return False
 
 
 def format_table(table: pa.Table, fmt: str = "table", max_width: int = 60) -> str:

@@ -12,11 +12,8 @@ environment below is set, so ``gyre sql`` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 DEFAULT_STORE = "./gyre-data"
 SQL_STORE_RETRY_S = 15.0  # an interactive query waits less for an unreachable store than a run
@@ -30,12 +27,6 @@ _ENV_DEFAULTS = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' load/save bars; gyre shows its own
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-def _serve_file() -> Path:
-    from storage.paths import cache_dir
-
-    return cache_dir() / "serve.json"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -94,74 +85,15 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import secrets
+    from flows.serve import main_serve
 
-    from infra.engine.engine import Engine
-    from infra.engine.server import EngineServer
-    from infra.engine.tiny_model import make_tiny_model
-    from infra.gateway.gateway import Gateway
-    from storage.store import Store
-
-    model_dir = args.model or make_tiny_model()
-    store = Store(args.store)
-    engine = Engine(model_dir, cell_id="serve")
-    server = EngineServer(engine)
-    engine_url = server.start()
-    token = secrets.token_urlsafe(24)
-    run_id = args.run_id or time.strftime("serve-%Y%m%d-%H%M%S")
-    gw = Gateway(store, run_id=run_id, tokenizer_dir=model_dir, admin_token=token, port=args.port)
-    url = gw.start()
-    gw.add_engine("serve", engine_url)
-    f = _serve_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({"url": url, "admin_token": token, "store": store.url}))
-    os.chmod(f, 0o600)
-    print(f"gyre serve: model {model_dir}")
-    print(f"  base URL     {url}/v1   (OpenAI-compatible; native /generate at {url}/generate)")
-    print(f"  store        {store.url}  (run_id {run_id})")
-    print("  session key  gyre session new      (prints a session id and its API key)")
-    print(f'  inspect      gyre sql --store {store.url} "SELECT * FROM tito"')
-    print("Ctrl-C to stop.", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        gw.stop()
-        server.stop()
-        f.unlink(missing_ok=True)
-    return 0
+    return main_serve(args)
 
 
 def cmd_session(args: argparse.Namespace) -> int:
-    import httpx
+    from flows.serve import main_session
 
-    url, token = args.url, args.admin_token
-    if url is None or token is None:
-        try:
-            info = json.loads(_serve_file().read_text())
-        except OSError:
-            print(
-                "gyre session new: no running `gyre serve` found; pass --url and --admin-token",
-                file=sys.stderr,
-            )
-            return 2
-        url, token = url or info["url"], token or info["admin_token"]
-    r = httpx.post(
-        f"{url}/gyre/sessions", json={}, timeout=30, headers={"Authorization": f"Bearer {token}"}
-    )
-    if r.status_code != 200:
-        print(f"gyre session new: {r.status_code} {r.text}", file=sys.stderr)
-        return 2
-    body = r.json()
-    print(
-        json.dumps(
-            {"session_id": body["session_id"], "api_key": body["api_key"], "base_url": f"{url}/v1"},
-            indent=2,
-        )
-    )
-    return 0
+    return main_session(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,13 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="local HF checkpoint dir (default: the tiny model)")
     s.add_argument("--store", default=DEFAULT_STORE)
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--run-id")
+    s.add_argument(
+        "--run-id",
+        help="run id of the served calls (default 'serve'; the same store and run id "
+        "continue the same run: its log is replayed and its session keys stay valid)",
+    )
     s.set_defaults(fn=cmd_serve)
 
     n = sub.add_parser("session", help="sessions of a running `gyre serve`")
     n.add_argument("action", choices=["new"])
-    n.add_argument("--url")
+    n.add_argument("--url", help="gateway URL (default: the one live `gyre serve`)")
     n.add_argument("--admin-token")
+    n.add_argument("--port", type=int, help="pick the `gyre serve` on this port")
     n.set_defaults(fn=cmd_session)
     return p
 

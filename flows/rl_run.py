@@ -188,7 +188,7 @@ def rl_run(
             tokenizer_dir=model_dir,
             admin_token=admin_token,
             port=cfg.gateway.port,
-            spool_dir=str(spool_dir(run_id)),
+            spool_dir=str(spool_dir(st.url, run_id)),
         )
         gateway.start()
         try:

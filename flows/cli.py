@@ -31,11 +31,13 @@ _ENV_DEFAULTS = {
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
+    from flows.preflight import preflight
 
     try:  # fail before anything starts
         cfg = load_config(
             config_file=args.config, preset=args.preset, overrides=args.overrides, store=args.store
         )
+        preflight(cfg)
     except ConfigError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2

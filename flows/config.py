@@ -16,11 +16,12 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
@@ -28,28 +29,52 @@ from infra.gateway.config import GatewayConfig
 from tasks.env.config import RolloutConfig
 from tasks.train.config import TrainConfig
 
+SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STORE_PROTOCOLS = ("file", "s3", "s3a", "memory")
+
 
 class RunConfig(BaseModel):
     """The whole run: one section per concern, each defined beside the code it configures."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    run_id: str | None = None
-    store: str = "./gyre-data"
+    run_id: str | None = Field(
+        None,
+        description="names the run's data, checkpoints and log; reuse it to continue a run "
+        "(letters, digits, '.', '_', '-'; it becomes a path component)",
+    )
+    store: str = Field("./gyre-data", description="fsspec URL: a directory or s3://bucket/prefix")
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
 
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not SAFE_RUN_ID.match(v):
+            raise ValueError(
+                "a run id becomes a directory name: use 1-100 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (no '/', no '..')"
+            )
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("empty: give a directory or s3://bucket/prefix")
+        if "://" in v and v.split("://", 1)[0] not in STORE_PROTOCOLS:
+            raise ValueError(
+                f"unknown protocol {v.split('://', 1)[0]!r}: use a directory, file://, "
+                "s3:// (s3fs), or memory:// (tests)"
+            )
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         problems = []
-        if self.model.path is not None and not Path(self.model.path).is_dir():
-            problems.append(
-                f"model.path={self.model.path!r}: no such directory; "
-                "give a local HF checkpoint dir or leave it unset for the tiny model"
-            )
         # the engine admits a call only if its input + max_new_tokens fit its KV budget
         if self.model.kv_cache_tokens < 8 * self.rollout.max_new_tokens:
             problems.append(
@@ -199,9 +224,9 @@ def load_config(
                 loc = ".".join(str(p) for p in err["loc"]) or "config"
                 given = err.get("input")
                 msg = err["msg"]
-                problems.append(
-                    f"{loc}={given!r}: {msg}; fix: set {loc} to a valid value"
-                    if loc != "config"
-                    else msg
-                )
+                if msg.startswith("Value error, "):  # ours: it already says what to do
+                    msg = msg.removeprefix("Value error, ")
+                else:
+                    msg += f"; fix: set {loc} to a valid value"
+                problems.append(f"{loc}={given!r}: {msg}" if loc != "config" else msg)
     raise ConfigError(problems)

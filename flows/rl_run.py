@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from flows import live
 from flows.config import RunConfig, load_config
+from flows.preflight import preflight
 from infra.cells.cluster import default_worker_env, start_cells
 from infra.cells.engines import load_weights, start_engine
 from infra.engine.tiny_model import make_tiny_model
@@ -149,6 +150,7 @@ def rl_run(
     cfg: RunConfig = load_config(
         config_file=config_file, preset=preset, overrides=overrides or [], store=store
     )
+    preflight(cfg)  # a deployment run checks the world too, before anything starts
     logger = get_run_logger()
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)

@@ -13,8 +13,8 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     env: Literal["arith"] = "arith"
-    groups_per_step: int = Field(1, ge=1, description="tasks per step (GRPO groups)")
-    group_size: int = Field(4, ge=1, description="sessions per task")
+    groups_per_step: int = Field(1, ge=1, le=4096, description="tasks per step (GRPO groups)")
+    group_size: int = Field(4, ge=1, le=1024, description="sessions per task")
     subtasks: int = Field(3, ge=1, le=32)
     max_attempts: int = Field(2, ge=1, description="tries per sub-task (retries become branches)")
     summarize_every: int = Field(
@@ -23,5 +23,7 @@ class RolloutConfig(BaseModel):
     max_new_tokens: int = Field(16, ge=1, le=4096)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(
+        600.0, ge=1.0, le=7 * 24 * 3600.0, description="a session's wall-clock limit"
+    )
     seed: int = 0

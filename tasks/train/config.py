@@ -12,7 +12,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    steps: int = Field(2, ge=1)
+    steps: int = Field(2, ge=1, le=10_000_000, description="optimizer steps of the run")
     lr: float = Field(1e-3, gt=0, le=1.0)
     loss: Literal["ppo_clip", "grpo"] = "ppo_clip"
     advantage: Literal["grpo", "per_subtask"] = "grpo"

@@ -48,9 +48,17 @@ def test_unknown_preset_and_unreadable_file(tmp_path):
     assert "unknown preset" in str(ei.value) and "cannot read" in str(ei.value)
 
 
-def test_model_path_must_exist():
-    with pytest.raises(ConfigError, match=r"model\.path"):
-        load_config(overrides=["model.path=/nope/nothing"])
+def test_model_path_must_be_a_checkpoint(tmp_path):
+    from flows.preflight import check_model_dir, preflight
+    from infra.engine.tiny_model import make_tiny_model
+
+    store = f"store={tmp_path / 'store'}"
+    with pytest.raises(ConfigError, match=r"model\.path='/nope/nothing': no such directory"):
+        preflight(load_config(overrides=["model.path=/nope/nothing", store]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"not a checkpoint: it lacks config.json, weights"):
+        preflight(load_config(overrides=[f"model.path={tmp_path / 'empty'}", store]))
+    assert check_model_dir(make_tiny_model()) is None
 
 
 def test_config_is_frozen():

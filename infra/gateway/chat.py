@@ -27,8 +27,11 @@ import uuid
 from typing import Any
 
 import numpy as np
+import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, digest
+from infra.gateway.wire import ChatMessage, validation_error
 
 __all__ = [
     "CHUNK",
@@ -43,17 +46,12 @@ __all__ = [
     "normalize_messages",
     "parse_output",
     "reply_key",
+    "template_messages",
 ]
 
-try:
-    import orjson
 
-    def _canon(obj: Any) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
-except ImportError:  # pragma: no cover
-
-    def _canon(obj: Any) -> bytes:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+def _canon(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
 
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -175,20 +173,22 @@ class ChatTokenizer:
 # -- message normalisation -------------------------------------------------------------------
 
 
-def _norm_content(content: Any) -> Any:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, dict):
-                out.append({k: v for k, v in part.items() if v is not None})
-            else:
-                raise ChatInputError("message content parts must be objects")
-        return out
-    raise ChatInputError("message content must be a string, a list of parts or null")
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Validated messages as the chat template sees them: fields that are null dropped, null
+    content as "", content parts without their null fields."""
+    out = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        c = m.content
+        if c is None:
+            msg["content"] = ""
+        elif isinstance(c, list):
+            msg["content"] = [{k: v for k, v in part.items() if v is not None} for part in c]
+        out.append(msg)
+    return out
 
 
 def _norm_args(args: Any) -> Any:
@@ -217,21 +217,13 @@ def _norm_tool_calls(tool_calls: Any) -> list[dict]:
 
 
 def normalize_messages(messages: Any) -> list[dict]:
-    """Validate OpenAI chat messages; return dicts the template renders (None fields dropped)."""
+    """Validate OpenAI chat messages (`ChatMessage`); return dicts the template renders."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ChatInputError(f"messages[{i}] must be an object with a string 'role'")
-        msg: dict[str, Any] = {k: v for k, v in m.items() if v is not None}
-        msg["content"] = _norm_content(m.get("content"))
-        if m.get("tool_calls"):
-            if not isinstance(m["tool_calls"], list):
-                raise ChatInputError(f"messages[{i}].tool_calls must be a list")
-            _norm_tool_calls(m["tool_calls"])  # validates
-        out.append(msg)
-    return out
+    try:
+        return template_messages(_MESSAGES.validate_python(messages))
+    except ValidationError as exc:
+        raise ChatInputError(validation_error(exc, "messages").message) from None
 
 
 def message_key(msg: dict) -> bytes:

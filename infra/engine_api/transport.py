@@ -119,7 +119,7 @@ class AiohttpPool:
             ) as r:
                 data = await r.read()
                 return Response(r.status, r.reason or "", dict(r.headers), data)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _typed(exc) from exc
 
     async def stream(
@@ -139,7 +139,7 @@ class AiohttpPool:
                 yield Response(r.status, r.reason or "", dict(r.headers), b"")
                 async for part in r.content.iter_any():
                     yield part
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _typed(exc) from exc
 
     async def aclose(self) -> None:

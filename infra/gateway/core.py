@@ -45,6 +45,7 @@ class GatewayCore:
         flush_records: int = 512,
         flush_seconds: float = 2.0,
         wal_fsync: bool = True,
+        engine_transport: str | None = None,
     ):
         self.store = store
         self.run_id = run_id
@@ -69,7 +70,7 @@ class GatewayCore:
         self._restore_keys: dict = {}
         self._keys_path = os.path.join(self.spool_dir, "chatkeys.bin")
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
-        self.router = Router()
+        self.router = Router(engine_transport)
         self.pipeline = CallPipeline(self)
         self.counters = {"calls": 0, "errors": 0, "tokens_in": 0, "tokens_out": 0, "retries": 0}
 

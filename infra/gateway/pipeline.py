@@ -127,6 +127,8 @@ class CallPipeline:
 
     def __init__(self, gw: GatewayCore):
         self.gw = gw
+        self._rid_base = uuid.uuid4().hex[:16]
+        self._n = 0
 
     # -- open: everything that can reject a call, before any engine work ---------------------
     async def open(
@@ -156,8 +158,13 @@ class CallPipeline:
         except ChatInputError as exc:
             raise bad(str(exc), param) from exc
         max_new = self.budget(len(inp.input_ids), gp, param)
-        rid = f"{RID_PREFIX[endpoint]}-{uuid.uuid4().hex}"
-        return Call(s, endpoint, rid, inp, gp, max_new, parse_tools)
+        return Call(s, endpoint, self.new_rid(endpoint), inp, gp, max_new, parse_tools)
+
+    def new_rid(self, endpoint: str) -> str:
+        """``chatcmpl-<32 hex>``: this process's random half, then a counter (unique across
+        restarts, fixed length so that no id is a prefix of another; no urandom per call)."""
+        self._n += 1
+        return f"{RID_PREFIX[endpoint]}-{self._rid_base}{self._n:016x}"
 
     def budget(self, n_in: int, gp: GenParams, param: str) -> int:
         """max_new_tokens for a call, or a 400 when the context does not fit the model."""
@@ -206,7 +213,7 @@ class CallPipeline:
         ``on_tokens(output_ids, logprobs)`` (cumulative) is called per streamed chunk.
         """
         gw, s, rid, gp = self.gw, call.session, call.rid, call.gp
-        input_ids = call.inp.input_ids.tolist()
+        input_ids = call.inp.input_ids  # int32 array: orjson writes it without a list
         t0 = time.time()
         out: list[int] = []
         lps: list[float] = []
@@ -219,15 +226,16 @@ class CallPipeline:
                 raise ApiError(503, str(exc), type="service_unavailable") from exc
             erid = rid if attempt == 0 else f"{rid}-{attempt}"
             sp = gp.sampling_params(call.max_new - len(out))
+            ids = np.concatenate([input_ids, np.asarray(out, np.int32)]) if out else input_ids
             h.inflight[erid] = time.time()
             s.inflight += 1
             try:
                 client = await gw.router.client(h)
                 if on_tokens is None:
-                    resp = await client.generate(input_ids + out, sp, rid=erid)
+                    resp = await client.generate(ids, sp, rid=erid)
                 else:
                     resp = None
-                    async for chunk in client.generate_stream(input_ids + out, sp, rid=erid):
+                    async for chunk in client.generate_stream(ids, sp, rid=erid):
                         resp = chunk
                         on_tokens(out + chunk["output_ids"], lps + _lps(chunk))
                     if resp is None:

@@ -295,6 +295,39 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         return await self._json("POST", "/update_weights_from_disk", payload)
 
+    @classmethod
+    def update_weights_blocking(
+        cls,
+        base_url: str,
+        model_path: str,
+        weight_version: int | str | None = None,
+        *,
+        timeout: float = 600.0,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict:
+        """`update_weights_from_disk` for a caller without an event loop (a Dask cell loading
+        a checkpoint into its engine): a short-lived client on its own loop. Raises
+        `EngineError` when the engine refuses the load (HTTP error or ``success: false``)."""
+
+        async def run() -> dict:
+            async with cls(base_url, timeout=timeout) as c:
+                return await c.update_weights_from_disk(
+                    model_path,
+                    weight_version,
+                    abort_all_requests=abort_all_requests,
+                    flush_cache=flush_cache,
+                )
+
+        body = asyncio.run(run())
+        if not body.get("success", False):
+            raise EngineError(
+                f"the engine refused {model_path} (version {weight_version}): "
+                f"{body.get('message')}",
+                url=base_url,
+            )
+        return body
+
     async def flush_cache(self) -> None:
         try:
             await self._request("POST", "/flush_cache")

@@ -314,11 +314,16 @@ class _Procs:
                 p.kill()
 
 
+_HTTP = None
+
+
 def _admin(url: str, method: str, path: str) -> dict:
+    global _HTTP
     import httpx
 
-    r = httpx.request(method, url + path, json={} if method == "POST" else None,
-                      headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)  # fmt: skip
+    if _HTTP is None:
+        _HTTP = httpx.Client(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    r = _HTTP.request(method, url + path, json={} if method == "POST" else None)
     r.raise_for_status()
     return r.json()
 

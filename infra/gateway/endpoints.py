@@ -17,13 +17,26 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from infra.gateway.chat import build_chat_input, build_token_input, template_messages
+from infra.gateway.chat import (
+    ChatInputError,
+    build_chat_input,
+    build_token_input,
+    normalize_messages,
+    template_messages,
+)
 from infra.gateway.replies import (
     chat_body,
     chat_logprobs,
     completion_body,
     completion_logprobs,
     usage,
+)
+from infra.gateway.responses import (
+    ResponsesRequest,
+    ResponsesStream,
+    conversation,
+    remember,
+    response_body,
 )
 from infra.gateway.stream import (
     ChatStream,
@@ -120,6 +133,7 @@ class GatewayApp:
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/completions": ("POST", self.completions),
             "/generate": ("POST", self.generate),
+            "/v1/responses": ("POST", self.responses),
             "/v1/models": ("GET", self.models),
             "/gyre/scores": ("POST", self.scores),
             "/gyre/sessions": ("POST", self.admin_sessions),
@@ -249,6 +263,33 @@ class GatewayApp:
             return await pump(gw, call, view, send, req.receive)
         a = await gw.pipeline.run(call)
         await send_json(send, final_native(view, a), res=a.res)
+
+    async def responses(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        body = parse_body(ResponsesRequest, await req.body(gw.max_body_bytes))
+        self.check_model(body.model)
+        gp = body.gen_params()
+        tools, tok = body.chat_tools, gw.tok
+        messages, own = conversation(s, body)
+        try:
+            messages = normalize_messages(messages)
+        except ChatInputError as exc:
+            raise bad(str(exc), "input") from exc
+        call = await gw.pipeline.open(
+            s,
+            "responses",
+            lambda calls: build_chat_input(tok, calls, messages, tools),
+            gp=gp,
+            param="input",
+            parse_tools=body.parse_tools,
+        )
+        if gp.stream:
+            view = ResponsesStream(tok, call, body, lambda a: remember(s, call, body, own, a))
+            return await pump(gw, call, view, send, req.receive)
+        a = await gw.pipeline.run(call)
+        remember(s, call, body, own, a)
+        await send_json(send, response_body(call, body, a), res=a.res)
 
     # -- models, scores, admin, stats ----------------------------------------------------
     async def models(self, req: Request, send: Send) -> None:

@@ -39,9 +39,21 @@ _GONE = object()  # the client disconnected
 
 
 class StreamView(Protocol):
+    end: bytes  # after the last event ([DONE] for the chat-era APIs)
+
     def head(self) -> list[bytes]: ...
     def update(self, out: list[int], lps: list[float]) -> list[bytes]: ...
     def tail(self, answer: Answer) -> list[bytes]: ...
+    def error(self, exc: ApiError) -> list[bytes]: ...
+
+
+class _OpenAIView:
+    """Defaults of the chat-era streams: errors as one ``data: {"error": ...}`` event."""
+
+    end = SSE_DONE
+
+    def error(self, exc: ApiError) -> list[bytes]:
+        return [sse(exc.body())]
 
 
 async def pump(gw: GatewayCore, call: Call, view: StreamView, send, receive) -> None:
@@ -68,15 +80,15 @@ async def pump(gw: GatewayCore, call: Call, view: StreamView, send, receive) -> 
             answer = task.result()
         except ApiError as exc:
             gw.counters["errors"] += 1
-            await _send(send, [sse(exc.body())], last=True)
+            await _send(send, [*view.error(exc), view.end], last=True)
             return
         except Exception as exc:  # a bug or a storage failure: say so, keep serving
             log.exception("stream %s failed", call.rid)
             gw.counters["errors"] += 1
             err = ApiError(500, f"internal error: {type(exc).__name__}", type="internal_error")
-            await _send(send, [sse(err.body())], last=True)
+            await _send(send, [*view.error(err), view.end], last=True)
             return
-        await _send(send, view.tail(answer), last=True)
+        await _send(send, [*view.tail(answer), view.end], last=True)
     finally:
         watch.cancel()
         if not task.done() and not call.generated:
@@ -92,8 +104,6 @@ async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
 
 
 async def _send(send, chunks: list[bytes], *, last: bool = False) -> None:
-    if last:
-        chunks = [*chunks, SSE_DONE]
     if chunks or last:
         await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": not last})
 
@@ -107,7 +117,7 @@ def _held(text: str, stops: list[str], hold: int) -> str:
     return text[:i] if i is not None else text[: max(0, len(text) - hold)]
 
 
-class ChatStream:
+class ChatStream(_OpenAIView):
     """``chat.completion.chunk`` events: content deltas (tool-call blocks held back and sent
     parsed at the end), per-token logprobs, the finish reason, usage on request."""
 
@@ -164,7 +174,7 @@ class ChatStream:
         return out
 
 
-class CompletionStream:
+class CompletionStream(_OpenAIView):
     """``text_completion`` events: text deltas (stop strings held back), then the finish."""
 
     def __init__(self, tok: ChatTokenizer, call: Call, model: str):
@@ -196,7 +206,7 @@ class CompletionStream:
         return out
 
 
-class NativeStream:
+class NativeStream(_OpenAIView):
     """SGLang ``/generate`` events: each chunk the whole answer so far, the last one final."""
 
     def __init__(self, tok: ChatTokenizer, call: Call):

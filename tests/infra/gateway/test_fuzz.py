@@ -81,7 +81,9 @@ chat = st.fixed_dictionaries(
               "logprobs": field(st.booleans()), "top_logprobs": field(small_int),
               "stream_options": field(st.fixed_dictionaries({"include_usage": field(st.booleans())}))},
 )  # fmt: skip
-ids = st.lists(st.integers(-5, 1200), min_size=0, max_size=12)
+ids = st.lists(
+    st.integers(-5, 1200) | st.sampled_from([2**31, 2**63, 2**70, -(2**64)]), max_size=12
+)
 completion = st.fixed_dictionaries(
     {"model": field(st.just("gyre")),
      "prompt": field(st.text(max_size=20) | ids | st.lists(st.text(max_size=5), max_size=2))},

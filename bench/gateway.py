@@ -188,13 +188,16 @@ def _serve_stub(args) -> None:
 class _Conn(asyncio.Protocol):
     """One keep-alive client connection; ``call`` sends a prepared request, awaits the answer."""
 
-    def __init__(self):
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
         self.buf = bytearray()
         self.waiter: asyncio.Future | None = None
         self.sent = 0
+        self.lost = True
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.lost = False
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -204,6 +207,7 @@ class _Conn(asyncio.Protocol):
                 self.waiter.set_result(got)
 
     def connection_lost(self, exc) -> None:
+        self.lost = True
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
 
@@ -228,9 +232,19 @@ class _Conn(asyncio.Protocol):
         return int(head[9:12]), head, body
 
     async def call(self, request: bytes) -> tuple[int, bytes, bytes]:
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return await self.waiter
+        for attempt in (0, 1):  # a server may close a keep-alive connection that idled
+            if self.lost:
+                self.buf.clear()
+                loop = asyncio.get_running_loop()
+                await loop.create_connection(lambda: self, self.host, self.port)
+            self.waiter = asyncio.get_running_loop().create_future()
+            self.transport.write(request)
+            try:
+                return await self.waiter
+            except ConnectionError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
 
 def _request(path: str, body: dict, key: str | None) -> bytes:
@@ -245,7 +259,10 @@ def _request(path: str, body: dict, key: str | None) -> bytes:
 async def _connect(url: str, n: int) -> list[_Conn]:
     host, port = url.removeprefix("http://").split(":")
     loop = asyncio.get_running_loop()
-    return [(await loop.create_connection(_Conn, host, int(port)))[1] for _ in range(n)]
+    conns = [_Conn(host, int(port)) for _ in range(n)]
+    for c in conns:
+        await loop.create_connection(lambda c=c: c, host, int(port))
+    return conns
 
 
 async def _drive(

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -50,20 +51,8 @@ from storage.schemas import TITO_SCHEMA
 from storage.store import Store
 from storage.tito import TitoRecord
 
-try:  # orjson is faster; json is the fallback
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    import json
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    _loads = json.loads
+_dumps = orjson.dumps
+_loads = orjson.loads
 
 log = logging.getLogger(__name__)
 

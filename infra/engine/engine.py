@@ -50,7 +50,7 @@ import torch
 from infra.engine.batch_kv import BatchKV
 from infra.engine.errors import EngineInputError
 from infra.engine.radix_cache import RadixCache
-from infra.engine.sampling import SamplingParams, sample_batch, sample_next
+from infra.engine.sampling import SamplingParams, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -732,7 +732,7 @@ class Engine:
         req.prefill_kv, req.prefill_pos = None, 0
         self._waiting.remove(req)
         if not req.output_ids:
-            reason = self._emit(req, logits[0])
+            reason = self._append(req, *self._choose(logits[:1], [req])[0])
             if reason is not None:
                 self._release(req)
                 self._note_kv()
@@ -776,13 +776,8 @@ class Engine:
         batch.advance(1)
         self.stats["engine/decode_steps"] += 1
         self._note_kv()
-        if type(self)._emit is Engine._emit:  # one batched draw for every row
-            picks = sample_batch(
-                logits, [r.params for r in self._running], [r.generator for r in self._running]
-            )
-            reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
-        else:  # a subclass hooks the per-row choice (tests script tokens this way)
-            reasons = [self._emit(r, logits[b]) for b, r in enumerate(self._running)]
+        picks = self._choose(logits, self._running)
+        reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
         done = [(b, r, why) for b, (r, why) in enumerate(zip(self._running, reasons, strict=True))]
         done = [(b, r, why) for b, r, why in done if why is not None]
         if done:
@@ -790,13 +785,14 @@ class Engine:
             for _, r, reason in done:
                 self._finish(r, reason)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> dict | None:
-        """Sample and append one token for `req`; returns the finish reason if it is done.
+    def _choose(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, float]]:
+        """(token, raw logprob) for each row of ``logits`` (B, V): one batched draw.
 
-        The caller finishes the request (after taking its KV out of the batch), so a waiter
-        woken by ``req.done`` already sees the engine without it.
+        The caller appends each choice (`_append`) and finishes the requests that are done
+        (after taking their KV out of the batch), so a waiter woken by ``req.done`` already sees
+        the engine without it.
         """
-        return self._append(req, *sample_next(logits, req.params, req.generator))
+        return sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
     def _append(self, req: Request, token: int, logprob: float) -> dict | None:
         """Append a chosen token to `req`; returns the finish reason if it is done."""

@@ -330,3 +330,64 @@ def test_trainer_other_losses_and_stale_tokens(model_dir, loss):
     assert m["train/staleness_mean"] >= 2
     empty = tr.step([])  # nothing to train: no update, no crash
     assert empty["train/tokens"] == 0 and empty["train/grad_norm"] == 0
+
+
+def test_clip_fraction_uses_the_symmetric_range_for_grpo(model_dir):
+    """Every weighted token at ratio 1.25: inside PPO's [0.8, 1.28], outside GRPO's [0.8, 1.2]."""
+    sessions = [session(30 + i, f"s{i}") for i in range(2)]
+    trees = build_trees(
+        [r for rs, _ in sessions for r in rs],
+        spans={k: v for _, sp in sessions for k, v in sp.items()},
+    )
+    samples = build_samples(trees, {"s0": 1.0, "s1": 0.5}, advantage="reward")  # A > 0
+    tr = Trainer(str(model_dir), max_tokens_per_micro=4096)
+    with torch.no_grad():
+        for s in samples:
+            (p,) = pack([s], 4096)
+            sel = np.flatnonzero(p.counts > 0)
+            s.behaviour_logprobs[sel] = packed_logprobs(tr.model, p, sel).double().numpy() - np.log(
+                1.25
+            )
+    for loss, want in (("ppo_clip", 0.0), ("grpo", 1.0)):
+        m = tree_loss_and_grads(
+            tr.model,
+            samples,
+            cfg=LossConfig(loss, 0.2, 0.28),
+            normalizer=1.0,
+            backward=False,
+        )
+        assert m["clip_fraction"] == pytest.approx(want), loss
+
+
+def zero_advantage_samples():
+    sessions = [session(40 + i, f"s{i}") for i in range(2)]
+    recs = [r for rs, _ in sessions for r in rs]
+    spans = {k: v for _, sp in sessions for k, v in sp.items()}
+    trees = build_trees(recs, spans=spans)
+    samples = build_samples(trees, {"s0": 0.0, "s1": 0.0}, advantage="reward")
+    assert all(not s.weight_pos.any() and not s.weight_neg.any() for s in samples)
+    assert all(s.counts.sum() > 0 for s in samples)
+    return samples
+
+
+def test_kl_term_pulls_the_policy_toward_the_reference(model_dir, tmp_path):
+    """No advantage at all: only the k3 KL to a different reference moves the policy, and
+    the KL it reports falls step by step."""
+    ref = tmp_path / "ref"
+    tiny_model(torch.float32, seed=5).save_pretrained(ref)
+    samples = zero_advantage_samples()
+    tr = Trainer(str(model_dir), lr=1e-2, kl_coef=1.0, ref_model_dir=str(ref))
+    kls = [tr.step(samples)["train/kl"] for _ in range(6)]
+    assert kls[0] > 0.05 and kls[-1] < 0.7 * kls[0], kls
+    still = Trainer(str(model_dir), lr=1e-2)  # no KL term: nothing to learn here
+    m = still.step(samples)
+    assert m["train/kl"] == 0.0 and m["train/grad_norm"] == 0.0
+    with pytest.raises(ValueError, match="ref_model_dir"):
+        Trainer.load(tr.save(str(tmp_path / "v6")), kl_coef=1.0)
+
+
+def test_entropy_bonus_raises_the_entropy(model_dir):
+    samples = zero_advantage_samples()
+    tr = Trainer(str(model_dir), lr=1e-2, entropy_coef=1.0)
+    ents = [tr.step(samples)["train/entropy"] for _ in range(6)]
+    assert ents[-1] > ents[0] + 0.05, ents

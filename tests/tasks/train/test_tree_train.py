@@ -211,16 +211,21 @@ def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
 
 
 def test_tree_equals_flat_with_stale_tokens_truncated_is():
+    """Both signs of advantage reach the truncated-IS tokens (a rollout above and one below
+    its group's mean)."""
     model = tiny_model(seed=3)
-    recs, spans = session(7, "s0", n_calls=12)
-    trees = build_trees(recs, spans=spans)
-    samples = build_samples(trees, {"s0": 1.0}, advantage="reward")
-    branches = flat_branches(recs, spans, 1.0, "s0")
-    vmax = max(r.weight_version for r in recs)
-    dl, dg, _, _, _ = compare(
+    (ra, sa), (rb, sb) = session(7, "s0", n_calls=12), session(8, "s1", n_calls=12)
+    trees = build_trees(ra + rb, spans=sa | sb)
+    rewards, groups = {"s0": 1.0, "s1": 0.0}, {"s0": "g", "s1": "g"}
+    samples = build_samples(trees, rewards, groups)
+    adv = group_advantages(rewards, groups)
+    branches = flat_branches(ra, sa, adv["s0"], "s0") + flat_branches(rb, sb, adv["s1"], "s1")
+    assert min(s.weight_neg.min() for s in samples) < 0 < max(s.weight_pos.max() for s in samples)
+    vmax = max(r.weight_version for r in ra + rb)
+    dl, dg, scale, _, _ = compare(
         model, samples, branches, LossConfig("ppo_clip", 0.2, 0.28), 4096, min_version=vmax
     )
-    assert dl <= 1e-12 and dg <= 1e-12
+    assert dl <= 1e-12 and dg <= 1e-12 and scale > 1e-3
 
 
 def test_ancestor_mask_reaches_attention():

@@ -103,6 +103,7 @@ SAMPLES_SCHEMA = pa.schema(
             "n_flat_trainable",
             pa.int64(),
         ),  # trainable tokens summed over branches: the loss normaliser
+        ("counts", pa.list_(pa.int32())),  # per token: branches that train it (KL/entropy)
     ]
 )
 

@@ -7,10 +7,10 @@ What it does (DESIGN.md §5, issue 3):
 - **Continuous batching**: one scheduler thread. Running requests decode together, one token
   per step, in a left-padded batch KV buffer (`BatchKV`); new requests are prefilled (chunked)
   between decode steps and then join the batch.
-- **Logprobs**: for each output token, ``log_softmax(raw logits)[token]`` — the model's own
-  distribution at temperature 1 before temperature / top-k / top-p, as SGLang reports by
-  default. Sampling params change which token is chosen, never the reported number. Matches a
-  full forward recompute of the sequence (fp32) to ~1e-6.
+- **Logprobs**: for each output token, its logprob under the distribution it was drawn from:
+  logits / temperature, cut to top-k and top-p, renormalised (`infra.engine.sampling`; the raw
+  ``log_softmax`` when greedy). A trainer scoring the tokens under the same processing gets
+  importance ratio 1 at zero staleness. Matches a full forward recompute (fp32) to ~1e-6.
 - **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
   the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
   depend on what else is in the batch.

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TrainConfig(BaseModel):
-    """Advantages, staleness and the optimizer step."""
+    """Advantages, staleness, the loss and the optimizer step."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -24,3 +24,42 @@ class TrainConfig(BaseModel):
     is_cap: float = Field(2.0, gt=0)
     reward_aggregation: Literal["weighted_mean", "sum", "min", "all_or_nothing"] = "weighted_mean"
     seed: int = 0
+    normalize_std: bool = Field(
+        True,
+        description="divide group-centred advantages by the group's std (GRPO); "
+        "false keeps only the group baseline (Dr. GRPO)",
+    )
+    filter_zero_variance: bool = Field(
+        True,
+        description="drop groups whose advantages are all 0 (equal rewards): they carry no "
+        "signal and would only dilute the token-mean normaliser; counted as "
+        "train/zero_variance_groups",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the k3 KL estimate to the reference policy (the version-0 / "
+        "warm-start weights), per trained token; 0 turns it off",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the entropy bonus (entropy of the sampled-from distribution), "
+        "per trained token; 0 turns it off",
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        le=10.0,
+        description="temperature the trainer's log-probs use; must be the rollouts' sampling "
+        "temperature (the engine reports log-probs of the tempered distribution). None: "
+        "rollout.temperature (1.0 when rollouts are greedy)",
+    )
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1.0,
+        description="top-p the trainer's log-probs renormalise over; must be the rollouts' "
+        "top_p. None: rollout.top_p. Against a real SGLang server (which reports log-probs "
+        "before top-p) use 1.0",
+    )

@@ -19,13 +19,28 @@ parent/position layout, and per-token loss weights. What is trained:
 Advantage estimators (``advantage``):
 
 - ``grpo``: A = (R - mean_group R) / (std_group R + eps) for every branch of a
-  rollout (https://arxiv.org/abs/2402.03300); ``normalize_std=False`` keeps only
-  the group baseline (Dr. GRPO).
-- ``per_subtask``: each sub-task's score is group-normalised on its own; a
-  branch's advantage is the weighted mean (weights normalised over all the
-  rollout's sub-tasks) of the sub-tasks it gets credit for: those earned at a node
-  on the branch's path, plus those never earned anywhere (nobody reached them).
+  rollout (https://arxiv.org/abs/2402.03300; population std); ``normalize_std=False``
+  keeps only the group baseline (Dr. GRPO).
+- ``per_subtask``: every report of a sub-task is an *attempt*, earned where it was
+  reported (``at_request_id``; ``None`` = not tied to a call, i.e. at the root). Per
+  group and sub-task, attempts are normalised like GRPO rewards over all attempts of the
+  group's rollouts (a rollout that never reported the sub-task counts one 0). A branch's
+  advantage is the weighted sum, over the rollout's sub-tasks (weights normalised to sum
+  1), of the normalised score of the deepest attempt on the branch's path; a sub-task
+  attempted only on other branches adds nothing. So a retry branch that scores worse gets
+  a lower advantage than the branch that succeeded, and a sub-task nobody reached (a
+  ``None`` zero) weighs on every branch. A score at a request id that is not a call of its
+  session is refused (``ScoreLocationError``).
 - ``reward``: A = R (no baseline; for single rollouts and tests).
+
+Sub-agent trees take their root session's reward, group and advantage (``per_subtask``:
+the rollout's final sub-task terms, all credited).
+
+Zero-variance groups (every advantage in the group is 0: equal rewards for ``grpo``,
+equal attempts on every sub-task for ``per_subtask``; a group of one) carry no learning
+signal. With ``filter_zero_variance`` (default) they produce no samples, so they neither
+train nor dilute the token-mean normaliser; ``zero_variance_groups`` lists them (the
+``train/zero_variance_groups`` metric).
 
 Pure module: no prefect, no distributed, no I/O.
 """
@@ -56,6 +71,10 @@ class SamplingError(ValueError):
     """Invalid sampling settings or inputs (unknown advantage, missing reward)."""
 
 
+class ScoreLocationError(SamplingError):
+    """A sub-task score names an ``at_request_id`` that is not a call of its session."""
+
+
 @dataclass
 class Sample:
     """One packed tree ready for training (storage/schemas.py: SAMPLES_SCHEMA).
@@ -81,6 +100,7 @@ class Sample:
     n_flat_tokens: int  # tokens the same branches cost trained flat
     reward: float
     n_flat_trainable: int = 0  # trainable tokens summed over branches (the loss normaliser)
+    counts: np.ndarray | None = None  # (N,) int32, branches that train each token
 
     _ARRAYS: ClassVar[dict[str, type]] = {
         "token_ids": np.int32,
@@ -90,7 +110,13 @@ class Sample:
         "weight_neg": np.float64,
         "behaviour_logprobs": np.float64,
         "versions": np.int64,
+        "counts": np.int32,
     }
+
+    def __post_init__(self) -> None:
+        # rows written before ``counts`` existed: one branch per weighted token
+        if self.counts is None:
+            self.counts = self.trainable_mask.astype(np.int32)
 
     def to_row(self) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -115,6 +141,22 @@ class Sample:
         return (self.weight_pos != 0) | (self.weight_neg != 0)
 
 
+def _normalise(x: np.ndarray, *, normalize_std: bool, eps: float) -> np.ndarray:
+    """``(x - mean) / (std + eps)`` (population std), or ``x - mean``; exactly 0 when all equal."""
+    if x.size == 0 or np.ptp(x) == 0:
+        return np.zeros_like(x, dtype=np.float64)
+    a = x - x.mean()
+    return a / (x.std() + eps) if normalize_std else a
+
+
+def _members(sessions: Iterable[str], groups: Mapping[str, str] | None) -> dict[str, list[str]]:
+    """group id -> its sessions, in first-seen order (a session without a group is its own)."""
+    members: dict[str, list[str]] = {}
+    for sid in sessions:
+        members.setdefault((groups or {}).get(sid, sid), []).append(sid)
+    return members
+
+
 def group_advantages(
     rewards: Mapping[str, float],
     groups: Mapping[str, str] | None,
@@ -124,74 +166,160 @@ def group_advantages(
 ) -> dict[str, float]:
     """GRPO advantages per session: reward minus its group's mean, over the group's std.
 
-    Sessions missing from ``groups`` form a group of their own (advantage 0).
+    Sessions missing from ``groups`` form a group of their own (advantage 0); a group
+    whose rewards are all equal gets exactly 0.
     """
-    members: dict[str, list[str]] = {}
-    for sid in rewards:
-        members.setdefault((groups or {}).get(sid, sid), []).append(sid)
     out: dict[str, float] = {}
-    for sids in members.values():
+    for sids in _members(rewards, groups).values():
         r = np.array([rewards[s] for s in sids], dtype=np.float64)
-        a = r - r.mean()
-        if normalize_std and r.std() + eps > 0:
-            a = a / (r.std() + eps)
-        out.update(zip(sids, a.tolist(), strict=True))
+        out.update(
+            zip(sids, _normalise(r, normalize_std=normalize_std, eps=eps).tolist(), strict=True)
+        )
     return out
 
 
-def _subtask_advantages(
-    scores: Iterable[Score],
+@dataclass(frozen=True)
+class _Attempt:
+    """One located report of a sub-task and its advantage term (weight share x normalised)."""
+
+    subtask: str
+    at: str | None  # request id where it was earned; None: at the root (every branch)
+    order: int  # position in the score stream (later reports win ties)
+    term: float
+
+
+@dataclass(frozen=True)
+class _SubtaskCredit:
+    attempts: list[_Attempt]  # every located report of the session
+    final: float  # sum over sub-tasks of the latest report's term (a sub-agent tree's credit)
+
+
+def _subtask_credit(
+    scores: Sequence[Score],
     sessions: Iterable[str],
     groups: Mapping[str, str] | None,
     *,
     normalize_std: bool,
     eps: float,
-) -> dict[str, list[tuple[str | None, float]]]:
-    """Per session: [(at_request_id, normalised weight * group-normalised score)]."""
-    by_session: dict[str, dict[str, Score]] = {s: {} for s in sessions}
-    for s in scores:
-        if s.session_id in by_session:
-            by_session[s.session_id][s.subtask_id] = s
-    members: dict[str, list[str]] = {}
-    for sid in by_session:
-        members.setdefault((groups or {}).get(sid, sid), []).append(sid)
-    out: dict[str, list[tuple[str | None, float]]] = {}
-    for sids in members.values():
-        subtasks = sorted({j for sid in sids for j in by_session[sid]})
-        norm: dict[tuple[str, str], float] = {}
+) -> tuple[dict[str, _SubtaskCredit], list[str]]:
+    """Per session: its attempts with their terms; and the zero-variance groups."""
+    sessions = list(sessions)
+    located: dict[str, dict[str, dict[str | None, tuple[int, Score]]]] = {s: {} for s in sessions}
+    latest: dict[str, dict[str, Score]] = {s: {} for s in sessions}
+    for i, sc in enumerate(scores):
+        if sc.session_id in located:
+            located[sc.session_id].setdefault(sc.subtask_id, {})[sc.at_request_id] = (i, sc)
+            latest[sc.session_id][sc.subtask_id] = sc
+    out: dict[str, _SubtaskCredit] = {}
+    flat_groups: list[str] = []
+    for gid, sids in _members(sessions, groups).items():
+        subtasks = sorted({j for sid in sids for j in located[sid]})
+        norm: dict[tuple[str, str, str | None], float] = {}
+        signal = False
         for j in subtasks:
-            x = np.array(
-                [by_session[sid][j].score if j in by_session[sid] else 0.0 for sid in sids]
-            )
-            a = x - x.mean()
-            if normalize_std and x.std() + eps > 0:
-                a = a / (x.std() + eps)
-            for sid, v in zip(sids, a.tolist(), strict=True):
-                norm[(sid, j)] = v
+            keys, xs = [], []
+            for sid in sids:
+                reps = located[sid].get(j)
+                if reps is None:  # never reported: one attempt worth 0
+                    xs.append(0.0)
+                    continue
+                for at, (_, sc) in reps.items():
+                    keys.append((sid, j, at))
+                    xs.append(sc.score)
+            a = _normalise(np.array(xs, dtype=np.float64), normalize_std=normalize_std, eps=eps)
+            signal |= bool(np.any(a != 0))
+            it = iter(a.tolist())
+            for sid in sids:
+                reps = located[sid].get(j)
+                if reps is None:
+                    next(it)
+                    continue
+                for at in reps:
+                    norm[(sid, j, at)] = next(it)
+        if not signal:
+            flat_groups.append(gid)
         for sid in sids:
-            tw = sum(s.weight for s in by_session[sid].values())
-            out[sid] = [
-                (s.at_request_id, (s.weight / tw if tw > 0 else 0.0) * norm[(sid, j)])
-                for j, s in by_session[sid].items()
+            tw = sum(sc.weight for sc in latest[sid].values())
+            share = {j: (sc.weight / tw if tw > 0 else 0.0) for j, sc in latest[sid].items()}
+            attempts = [
+                _Attempt(j, at, i, share[j] * norm[(sid, j, at)])
+                for j, reps in located[sid].items()
+                for at, (i, _) in reps.items()
             ]
-    return out
+            final = sum(
+                share[j] * norm[(sid, j, sc.at_request_id)] for j, sc in latest[sid].items()
+            )
+            out[sid] = _SubtaskCredit(attempts, float(final))
+    return out, flat_groups
+
+
+def zero_variance_groups(
+    rewards: Mapping[str, float],
+    groups: Mapping[str, str] | None = None,
+    *,
+    advantage: str = "grpo",
+    scores: Iterable[Score] | None = None,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> list[str]:
+    """Group ids whose every advantage is 0 (no learning signal), in first-seen order.
+
+    ``grpo``: rewards all equal (a group of one included); ``per_subtask``: every sub-task's
+    attempts all equal; ``reward``: none (no baseline).
+    """
+    if advantage == "reward":
+        return []
+    if advantage == "per_subtask":
+        _, flat = _subtask_credit(
+            list(scores or []), rewards, groups, normalize_std=normalize_std, eps=eps
+        )
+        return flat
+    return [
+        gid
+        for gid, sids in _members(rewards, groups).items()
+        if np.ptp(np.array([rewards[s] for s in sids], dtype=np.float64)) == 0
+    ]
+
+
+def _check_locations(
+    scores: Sequence[Score], tree_map: Mapping[str, TrajectoryTree], rewards: Mapping[str, float]
+) -> None:
+    bad = [
+        sc
+        for sc in scores
+        if sc.at_request_id is not None
+        and (sc.session_id in tree_map or sc.session_id in rewards)
+        and (sc.session_id not in tree_map or sc.at_request_id not in tree_map[sc.session_id])
+    ]
+    if bad:
+        shown = ", ".join(
+            f"{sc.session_id}/{sc.subtask_id} at {sc.at_request_id!r}" for sc in bad[:5]
+        )
+        raise ScoreLocationError(
+            f"{len(bad)} sub-task score(s) name a request that is not a call of their session "
+            f"({shown}): report at_request_id as the id of the session's own call where the "
+            "sub-task was earned, or None for a score not tied to a call"
+        )
 
 
 def _branch_advantages(
-    ft: FlatTree,
-    leaves: Sequence[str],
-    session_adv: float,
-    subtask_terms: list[tuple[str | None, float]] | None,
+    ft: FlatTree, leaves: Sequence[str], session_adv: float, credit: _SubtaskCredit | None
 ) -> np.ndarray:
     """(B,) advantage of each leaf branch."""
-    if subtask_terms is None:
+    if credit is None:
         return np.full(len(leaves), session_adv, dtype=np.float64)
     adv = np.zeros(len(leaves), dtype=np.float64)
-    for at, term in subtask_terms:
-        at_node = ft.ends.get(at, -1) if at is not None else -1
-        for b, rid in enumerate(leaves):
-            if at_node < 0 or ft.is_ancestor_or_self(at_node, ft.ends[rid]):
-                adv[b] += term
+    for b, rid in enumerate(leaves):
+        end = ft.ends[rid]
+        best: dict[str, tuple[int, int, float]] = {}  # sub-task -> (node, order, term)
+        for att in credit.attempts:
+            node = ft.ends[att.at] if att.at is not None else -1
+            if node >= 0 and not ft.is_ancestor_or_self(node, end):
+                continue  # earned on another branch
+            key = (node, att.order, att.term)
+            if att.subtask not in best or key[:2] > best[att.subtask][:2]:
+                best[att.subtask] = key  # the deepest attempt on the path (then the latest)
+        adv[b] = sum(t for _, _, t in best.values())
     return adv
 
 
@@ -211,6 +339,7 @@ def build_samples(
     eps: float = 1e-6,
     prune: bool = True,
     layout: str = "tree",
+    filter_zero_variance: bool = True,
 ) -> list[Sample]:
     """One ``Sample`` per session tree (sub-agent trees take their root session's
     reward, group and advantage unless given their own).
@@ -222,6 +351,7 @@ def build_samples(
     ``rewards`` maps a (root) session id to its rollout reward; every rollout of a
     group should be there, including those with no tree, since they shape the
     group baseline. ``groups`` maps session id -> group id (same task).
+    ``filter_zero_variance``: no samples from groups in ``zero_variance_groups``.
     """
     errors = []
     if advantage not in ESTIMATORS:
@@ -252,11 +382,17 @@ def build_samples(
             f"no reward for sessions {missing}: score every rollout (tasks.trajectory.scoring.score_rollout)"
         )
     adv = group_advantages(rewards, groups, normalize_std=normalize_std, eps=eps)
-    sub = None
+    credit: dict[str, _SubtaskCredit] | None = None
+    flat_groups: list[str] = []
     if advantage == "per_subtask":
-        sub = _subtask_advantages(
-            scores or [], rewards, groups, normalize_std=normalize_std, eps=eps
+        score_list = list(scores or [])
+        _check_locations(score_list, tree_map, rewards)
+        credit, flat_groups = _subtask_credit(
+            score_list, rewards, groups, normalize_std=normalize_std, eps=eps
         )
+    elif advantage == "grpo":
+        flat_groups = zero_variance_groups(rewards, groups, normalize_std=normalize_std, eps=eps)
+    skip = set(flat_groups) if filter_zero_variance else set()
     min_version = None
     if max_staleness is not None and current_version is not None:
         min_version = current_version - max_staleness
@@ -264,16 +400,18 @@ def build_samples(
     out = []
     for sid, tree in tree_map.items():
         own = owner(sid)
+        if groups.get(own, own) in skip:
+            continue
         session_adv = float(rewards[own]) if advantage == "reward" else adv[own]
-        terms = sub.get(own) if sub is not None and own == sid else None
-        if sub is not None and own != sid:
+        own_credit = credit.get(own) if credit is not None and own == sid else None
+        if credit is not None and own != sid:
             # a sub-agent tree gets full credit for its rollout's sub-tasks
-            session_adv = sum(t for _, t in sub.get(own, []))
+            session_adv = credit[own].final if own in credit else 0.0
         out.extend(
             _samples(
                 tree,
                 session_adv,
-                terms,
+                own_credit,
                 run_id=run_id or tree.run_id,
                 group_id=groups.get(sid, groups.get(own, own)),
                 step=step,
@@ -289,7 +427,7 @@ def build_samples(
 def _samples(
     tree: TrajectoryTree,
     session_adv: float,
-    subtask_terms: list[tuple[str | None, float]] | None,
+    credit: _SubtaskCredit | None,
     *,
     run_id: str,
     group_id: str,
@@ -302,7 +440,7 @@ def _samples(
     ft = tree.flatten()
     leaves = tree.leaves()
     m = len(ft.node_offset)
-    a = _branch_advantages(ft, leaves, session_adv, subtask_terms)
+    a = _branch_advantages(ft, leaves, session_adv, credit)
     pos = np.zeros(m)
     neg = np.zeros(m)
     cnt = np.zeros(m, np.int64)
@@ -326,7 +464,8 @@ def _samples(
     tok_cnt = np.repeat(cnt, ft.node_length)
     wp = np.where(trainable, np.repeat(pos, ft.node_length), 0.0)
     wn = np.where(trainable, np.repeat(neg, ft.node_length), 0.0)
-    n_flat_trainable = int((tok_cnt * trainable).sum())
+    counts = np.where(trainable, tok_cnt, 0).astype(np.int32)
+    n_flat_trainable = int(counts.sum())
     n_flat_tokens = sum(tree.context_len(r) for r in leaves)
     blp = np.where(ft.provenance == POLICY, np.nan_to_num(ft.logprobs.astype(np.float64)), 0.0)
     meta = {"run_id": run_id, "session_id": tree.session_id, "group_id": group_id, "step": step}
@@ -350,6 +489,7 @@ def _samples(
             ]
             token_ids, positions, versions = token_ids[keep], positions[keep], versions[keep]
             wp, wn, blp, trainable = wp[keep], wn[keep], blp[keep], trainable[keep]
+            counts = counts[keep]
     return [
         Sample(
             **meta,
@@ -366,6 +506,7 @@ def _samples(
             n_flat_tokens=int(n_flat_tokens),
             reward=reward,
             n_flat_trainable=n_flat_trainable,
+            counts=counts,
         )
     ]
 
@@ -412,6 +553,7 @@ def _branch_sample(
         n_flat_tokens=n_flat,
         reward=reward,
         n_flat_trainable=int(train.sum()),
+        counts=train.astype(np.int32),
     )
 
 

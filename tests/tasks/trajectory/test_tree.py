@@ -81,6 +81,17 @@ def test_same_tokens_other_provenance_or_version_do_not_share_a_node():
     assert sorted(t.leaves()) == ["a", "b", "c"]
 
 
+def test_a_newer_policy_regenerating_the_rest_of_an_output_is_its_own_branch():
+    """Branching inside an output: the same continuation from a newer policy version is a
+    new node (its version and logprobs are its own), not a walk along the old one."""
+    t = TrajectoryTree("s")
+    t.add(rec("a", None, 0, [1, 2], [3, 4, 5], v=0))
+    t.add(TitoRecord("run", "s", "d", 1, "a", 3, [], [4, 5], [-0.5, -0.25], 1))
+    _, ver, lp = t.path_provenance("d")
+    assert ver.tolist() == [-1, -1, 0, 1, 1] and lp[3:].tolist() == [-0.5, -0.25]
+    assert sorted(t.leaves()) == ["a", "d"]
+
+
 def test_exact_duplicate_shares_the_path_and_counts_once():
     t = TrajectoryTree("s")
     t.add(rec("a", None, 0, [1, 2], [3, 4]))

@@ -268,10 +268,12 @@ def list_files(workdir: str) -> str:
     return "\n".join(out) or "(no files)"
 
 
-def _pytest_args(paths: list[str], report: str | None) -> list[str]:
+def _pytest_args(
+    paths: list[str], report: str | None, per_test_s: float = PER_TEST_TIMEOUT_S
+) -> list[str]:
     args = ["-q", "-p", "no:cacheprovider", "--rootdir", "."]
     if _has_pytest_timeout():
-        args += ["-p", "pytest_timeout", f"--timeout={PER_TEST_TIMEOUT_S}"]
+        args += ["-p", "pytest_timeout", f"--timeout={per_test_s}"]
     if report:
         args += ["--junitxml", report, "-o", "junit_family=xunit1"]
     return [*args, *paths]
@@ -418,7 +420,13 @@ class Judgement:
     output: str = ""
 
 
-def judge(spec: RepoSpec, workdir: str, isolation: str = "auto") -> Judgement:
+def judge(
+    spec: RepoSpec,
+    workdir: str,
+    isolation: str = "auto",
+    limits: sandbox.Limits = EVAL_LIMITS,
+    per_test_s: float = PER_TEST_TIMEOUT_S,
+) -> Judgement:
     """Run the hidden tests against the workspace's package; passed tests per group."""
     with tempfile.TemporaryDirectory(prefix="gyre-repo-eval-") as tmp:
         copied = _copy_package(workdir, spec.package, tmp)
@@ -434,9 +442,9 @@ def judge(spec: RepoSpec, workdir: str, isolation: str = "auto") -> Judgement:
             modules[f"test_{g.name}"] = g.name
         res = sandbox.run_python(
             _RUN_PYTEST,
-            _pytest_args(["hidden_tests"], "report.xml"),
+            _pytest_args(["hidden_tests"], "report.xml", per_test_s),
             workspace=tmp,
-            limits=EVAL_LIMITS,
+            limits=limits,
             isolation=isolation,
             env=_PYTEST_ENV,
             hide=(str(SPEC_DIR),),
@@ -446,7 +454,7 @@ def judge(spec: RepoSpec, workdir: str, isolation: str = "auto") -> Judgement:
         if res.timed_out:
             return Judgement(
                 dict.fromkeys(modules.values(), 0),
-                f"hidden tests stopped after {EVAL_LIMITS.wall_s:.0f}s",
+                f"hidden tests stopped after {limits.wall_s:.0f}s",
                 output,
             )
         try:
@@ -469,7 +477,11 @@ class RepoSuite:
     name = "repo"
 
     def __init__(
-        self, difficulty: int = 1, isolation: str = "auto", specs: list[str] | None = None
+        self,
+        difficulty: int = 1,
+        isolation: str = "auto",
+        specs: list[str] | None = None,
+        eval_limits: sandbox.Limits = EVAL_LIMITS,
     ):
         problems = []
         if importlib.util.find_spec("pytest") is None:
@@ -482,7 +494,7 @@ class RepoSuite:
         if problems:
             raise SuiteError(problems)
         self.specs = {n: all_specs[n] for n in sorted(names)}
-        self.difficulty, self.isolation = difficulty, isolation
+        self.difficulty, self.isolation, self.eval_limits = difficulty, isolation, eval_limits
 
     def task(self, seed: int) -> Task:
         name = random.Random(seed).choice(sorted(self.specs))
@@ -504,7 +516,7 @@ class RepoSuite:
         return RepoEnv(task, spec, workdir, self.isolation)
 
     def evaluate(self, env: RepoEnv, outcome: Outcome) -> list[SubtaskScore]:
-        verdict = judge(env.spec, env.workdir, self.isolation)
+        verdict = judge(env.spec, env.workdir, self.isolation, self.eval_limits)
         last_write = max(env.writes.values(), default=(0, None), key=lambda w: w[0])[1]
         scores = []
         for g in env.spec.groups:

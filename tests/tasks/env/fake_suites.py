@@ -105,3 +105,11 @@ def echo_harness(ctx: HarnessContext) -> HarnessResult:
 
 
 NOT_CALLABLE = 3
+
+
+async def sleepy(ctx: HarnessContext) -> HarnessResult:
+    """A harness that never finishes in time (the rollout's timeout must end it)."""
+    import asyncio
+
+    await asyncio.sleep(30)
+    return HarnessResult()

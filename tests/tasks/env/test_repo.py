@@ -130,6 +130,25 @@ def test_evaluator_on_the_reference_solution(tmp_path):
     assert {r.at_request_id for r in rows} == {"w1"} and {r.source for r in rows} == {"evaluator"}
 
 
+def test_scores_are_earned_at_the_last_write_of_their_files(tmp_path):
+    suite, env, _ = _start(tmp_path, "rpn")
+    # meta.json: tokenize tests tokens.py + errors.py; evaluate calc.py; errors calc + errors
+    assert list(env.spec.solution()) == [
+        "rpn/__init__.py",
+        "rpn/errors.py",
+        "rpn/tokens.py",
+        "rpn/calc.py",
+    ]
+    _write_solution(env)  # request ids w0 .. w3 in that order
+    rows = suite.evaluate(env, Outcome("finished"))
+    assert {r.subtask_id: r.at_request_id for r in rows} == {
+        "tokenize": "w2",
+        "evaluate": "w3",
+        "errors": "w3",
+    }
+    assert {r.score for r in rows} == {1.0}
+
+
 def test_evaluator_on_a_broken_solution_scores_pass_fractions(tmp_path):
     suite, env, _ = _start(tmp_path)
     _write_solution(env)

@@ -32,6 +32,7 @@ from tests.infra.gateway.fixtures import ScriptedEngine
 pytestmark = pytest.mark.integration
 
 ADMIN = "admin-env"
+FAKE = "tests.tasks.env.fake_suites"
 RUN = "run-env"
 
 
@@ -111,6 +112,7 @@ def test_tools_scripted_agent_scores_full_marks(served):
     assert out.reward_mean == 1.0 and out.n_samples == 1
 
 
+@pytest.mark.slow  # ~15 s: 1,500 teacher-forced tokens and two sandboxed pytest runs
 def test_repo_scripted_agent_builds_the_package(served):
     gw, engine = served
     suite = load_suite("repo")
@@ -159,21 +161,26 @@ def test_context_budget_compacts_into_branches(served):
     assert branch_points  # each compaction started a new branch off the shared system prompt
 
 
-def test_timeout_and_command_harness(served, tmp_path):
+def test_a_session_past_its_time_is_scored_as_timed_out(served):
     gw, engine = served
     engine.replies.clear()
-    fake = "tests.tasks.env.fake_suites"
     slow = RolloutConfig(
-        suite=f"{fake}:EchoSuite", harness=f"{fake}:sleepy", timeout_s=1.0, group_size=1
+        suite=f"{FAKE}:EchoSuite", harness=f"{FAKE}:sleepy", timeout_s=1.0, group_size=1
     )
     handles, scores, _ = _roll(gw, slow, 1, "g-timeout")
     assert handles[0].status == "timeout"
     assert {(s["score"], s["status"], s["reason"]) for s in scores} == {
         (0.0, "timeout", "rollout exceeded 1.0s")
     }
+
+
+@pytest.mark.slow  # ~6 s: two Python processes importing openai
+def test_command_harness_uses_the_openai_client_from_env_vars(served):
+    gw, engine = served
+    engine.replies.clear()
     agent = Path(__file__).with_name("echo_agent.py")
     cmd = RolloutConfig(
-        suite=f"{fake}:EchoSuite",
+        suite=f"{FAKE}:EchoSuite",
         harness=f"cmd:{sys.executable} {agent}",
         group_size=2,
         subtasks=2,

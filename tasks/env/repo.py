@@ -29,34 +29,32 @@ Pure module apart from the sandboxed subprocesses: no prefect, no distributed.
 from __future__ import annotations
 
 import ast
-import errno
 import importlib.util
 import json
-import os
 import random
 import shutil
-import stat
 import tempfile
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from tasks.env import sandbox
+from tasks.env.repo_eval import EVAL_LIMITS, PER_TEST_TIMEOUT_S, Judgement, judge, run_pytest
 from tasks.env.suite import Outcome, SubtaskScore, SubtaskSpec, SuiteError, Task, Turn
+from tasks.env.workspace import (
+    ToolError,
+    list_files,
+    read_file,
+    rel_path,
+    write_file,
+)
 
 SPEC_DIR = Path(__file__).with_name("repo_specs")
 
-MAX_FILE_BYTES = 64_000
-MAX_READ_CHARS = 6_000
 MAX_TEST_OUTPUT = 2_000
-MAX_FILES = 200
-MAX_PATH = 200
 MAX_TOOL_ROUNDS = 24
 TEST_LIMITS = sandbox.Limits(wall_s=30, cpu_s=20)
-EVAL_LIMITS = sandbox.Limits(wall_s=90, cpu_s=60)
-PER_TEST_TIMEOUT_S = 10
 
 SYSTEM_PROMPT = (
     "You are a software engineer. Build the Python package the user describes, file by file, "
@@ -185,114 +183,6 @@ def load_specs(spec_dir: str = str(SPEC_DIR)) -> dict[str, RepoSpec]:
     return specs
 
 
-# -- the workspace's file tools ------------------------------------------------------------------
-
-
-class ToolError(Exception):
-    """A tool call the workspace refuses; its message is the tool result the agent sees."""
-
-
-def _rel_path(workdir: str, path: Any) -> str:
-    """A safe relative path inside ``workdir`` (no absolute paths, ``..``, dot-dirs or links)."""
-    if not isinstance(path, str) or not path.strip():
-        raise ToolError("error: path must be a non-empty string")
-    p = path.strip().replace("\\", "/")
-    if len(p) > MAX_PATH or "\0" in p:
-        raise ToolError("error: path too long or invalid")
-    if p.startswith("/"):
-        raise ToolError("error: use a path relative to the workspace")
-    parts = [x for x in p.split("/") if x not in ("", ".")]
-    if not parts or any(x == ".." for x in parts):
-        raise ToolError("error: the path must stay inside the workspace")
-    full = os.path.join(workdir, *parts)
-    # every existing component must be a real directory/file inside the workspace
-    cur = workdir
-    for x in parts:
-        cur = os.path.join(cur, x)
-        if os.path.islink(cur):
-            raise ToolError(f"error: {'/'.join(parts)}: symbolic links are not followed")
-    real_ws = os.path.realpath(workdir)
-    if not os.path.realpath(full).startswith(real_ws + os.sep):
-        raise ToolError("error: the path must stay inside the workspace")
-    return "/".join(parts)
-
-
-def write_file(workdir: str, path: Any, content: Any) -> str:
-    rel = _rel_path(workdir, path)
-    if not isinstance(content, str):
-        raise ToolError("error: content must be a string")
-    data = content.encode()
-    if len(data) > MAX_FILE_BYTES:
-        raise ToolError(f"error: file larger than {MAX_FILE_BYTES} bytes")
-    full = os.path.join(workdir, rel)
-    os.makedirs(os.path.dirname(full), exist_ok=True)
-    _rel_path(workdir, rel)  # again: a directory made above could not have been a link
-    try:
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise ToolError(
-            f"error: cannot write {rel}: {os.strerror(exc.errno or errno.EIO)}"
-        ) from exc
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return f"wrote {rel} ({len(data)} bytes)"
-
-
-def read_file(workdir: str, path: Any) -> str:
-    rel = _rel_path(workdir, path)
-    full = os.path.join(workdir, rel)
-    try:
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ToolError(f"error: cannot read {rel}: {os.strerror(exc.errno or errno.EIO)}") from exc
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ToolError(f"error: {rel} is not a file")
-        data = f.read(MAX_READ_CHARS * 4 + 1)
-    text = data.decode("utf-8", "replace")
-    if len(text) > MAX_READ_CHARS:
-        text = text[:MAX_READ_CHARS] + "\n[... truncated ...]"
-    return text
-
-
-def list_files(workdir: str) -> str:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(workdir):  # never follows links
-        dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", ".pytest_cache"))
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, workdir)
-            out.append(f"{rel} ({os.lstat(full).st_size} bytes)")
-            if len(out) >= MAX_FILES:
-                return "\n".join([*out, "[... more files ...]"])
-    return "\n".join(out) or "(no files)"
-
-
-def _pytest_args(
-    paths: list[str], report: str | None, per_test_s: float = PER_TEST_TIMEOUT_S
-) -> list[str]:
-    args = ["-q", "-p", "no:cacheprovider", "--rootdir", "."]
-    if _has_pytest_timeout():
-        args += ["-p", "pytest_timeout", f"--timeout={per_test_s}"]
-    if report:
-        args += ["--junitxml", report, "-o", "junit_family=xunit1"]
-    return [*args, *paths]
-
-
-_RUN_PYTEST = (
-    "import os, sys\n"
-    "sys.path.insert(0, os.getcwd())\n"
-    "import pytest\n"
-    "sys.exit(pytest.main(sys.argv[1:]))\n"
-)
-_PYTEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-
-
-@cache
-def _has_pytest_timeout() -> bool:
-    return importlib.util.find_spec("pytest_timeout") is not None
-
-
 # -- environment -------------------------------------------------------------------------------
 
 
@@ -327,7 +217,7 @@ class RepoEnv:
         try:
             if name == "write_file":
                 out = write_file(self.workdir, arguments.get("path"), arguments.get("content"))
-                rel = _rel_path(self.workdir, arguments.get("path"))
+                rel = rel_path(self.workdir, arguments.get("path"))
                 self.writes[rel] = (self.n_calls, request_id)
                 return out
             if name == "read_file":
@@ -341,13 +231,11 @@ class RepoEnv:
             return str(exc)
 
     def run_tests(self) -> str:
-        res = sandbox.run_python(
-            _RUN_PYTEST,
-            _pytest_args(["tests"], None),
-            workspace=self.workdir,
+        res = run_pytest(
+            self.workdir,
+            ["tests"],
             limits=TEST_LIMITS,
             isolation=self.isolation,
-            env=_PYTEST_ENV,
             hide=(str(SPEC_DIR),),
         )
         text = (res.stdout + res.stderr).strip()
@@ -371,104 +259,24 @@ class RepoEnv:
         pass
 
 
-# -- evaluation --------------------------------------------------------------------------------
-
-
-def _copy_package(workdir: str, package: str, dest: str) -> list[str]:
-    """Copy the package's ``.py`` files (regular files, no links, no conftest) to ``dest``."""
-    copied = []
-    src_root = os.path.join(workdir, package)
-    if not os.path.isdir(src_root) or os.path.islink(src_root):
-        return copied
-    for dirpath, dirnames, filenames in os.walk(src_root):
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
-        for name in filenames:
-            src = os.path.join(dirpath, name)
-            if not name.endswith(".py") or name == "conftest.py" or len(copied) >= MAX_FILES:
-                continue
-            st = os.lstat(src)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
-                continue
-            rel = os.path.relpath(src, workdir)
-            dst = os.path.join(dest, rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f, open(dst, "wb") as g:
-                g.write(f.read(MAX_FILE_BYTES))
-            copied.append(rel)
-    return sorted(copied)
-
-
-def parse_junit(xml_text: str, groups: dict[str, str]) -> dict[str, int]:
-    """Passed tests per group from a JUnit report; ``groups``: test module name -> group."""
-    passed = dict.fromkeys(groups.values(), 0)
-    root = ET.fromstring(xml_text)
-    for case in root.iter("testcase"):
-        module = (case.get("classname") or "").split(".")
-        group = next((groups[m] for m in module if m in groups), None)
-        if group is None:
-            continue
-        if not any(child.tag in ("failure", "error", "skipped") for child in case):
-            passed[group] += 1
-    return passed
-
-
-@dataclass(frozen=True)
-class Judgement:
-    passed: dict[str, int]
-    error: str = ""  # why there is no report (then every group counts 0)
-    output: str = ""
-
-
-def judge(
+def judge_spec(
     spec: RepoSpec,
     workdir: str,
     isolation: str = "auto",
     limits: sandbox.Limits = EVAL_LIMITS,
     per_test_s: float = PER_TEST_TIMEOUT_S,
 ) -> Judgement:
-    """Run the hidden tests against the workspace's package; passed tests per group."""
-    with tempfile.TemporaryDirectory(prefix="gyre-repo-eval-") as tmp:
-        copied = _copy_package(workdir, spec.package, tmp)
-        if not copied:
-            return Judgement(
-                {g.name: 0 for g in spec.groups}, f"no package {spec.package}/ in the workspace"
-            )
-        tests = os.path.join(tmp, "hidden_tests")
-        os.makedirs(tests)
-        modules = {}
-        for g in spec.groups:
-            shutil.copyfile(spec.hidden_test(g.name), os.path.join(tests, f"test_{g.name}.py"))
-            modules[f"test_{g.name}"] = g.name
-        res = sandbox.run_python(
-            _RUN_PYTEST,
-            _pytest_args(["hidden_tests"], "report.xml", per_test_s),
-            workspace=tmp,
-            limits=limits,
-            isolation=isolation,
-            env=_PYTEST_ENV,
-            hide=(str(SPEC_DIR),),
-        )
-        output = (res.stdout + res.stderr)[-2000:]
-        report = os.path.join(tmp, "report.xml")
-        if res.timed_out:
-            return Judgement(
-                dict.fromkeys(modules.values(), 0),
-                f"hidden tests stopped after {limits.wall_s:.0f}s",
-                output,
-            )
-        try:
-            fd = os.open(report, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                xml_text = f.read(4_000_000).decode("utf-8", "replace")
-            passed = parse_junit(xml_text, modules)
-        except (OSError, ET.ParseError) as exc:
-            return Judgement(
-                dict.fromkeys(modules.values(), 0),
-                f"no test report ({type(exc).__name__}; exit status {res.returncode})",
-                output,
-            )
-        return Judgement(passed, "", output)
+    """The spec's hidden tests against the workspace's package (``repo_eval.judge``)."""
+    hidden = {g.name: spec.hidden_test(g.name) for g in spec.groups}
+    return judge(
+        spec.package,
+        hidden,
+        workdir,
+        isolation=isolation,
+        limits=limits,
+        per_test_s=per_test_s,
+        hide=(str(SPEC_DIR),),
+    )
 
 
 class RepoSuite:
@@ -516,7 +324,7 @@ class RepoSuite:
         return RepoEnv(task, spec, workdir, self.isolation)
 
     def evaluate(self, env: RepoEnv, outcome: Outcome) -> list[SubtaskScore]:
-        verdict = judge(env.spec, env.workdir, self.isolation, self.eval_limits)
+        verdict = judge_spec(env.spec, env.workdir, self.isolation, self.eval_limits)
         last_write = max(env.writes.values(), default=(0, None), key=lambda w: w[0])[1]
         scores = []
         for g in env.spec.groups:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tasks.env import sandbox
-from tasks.env.repo import SPEC_DIR, RepoSuite, judge, load_specs
+from tasks.env.repo import SPEC_DIR, RepoSuite, judge_spec, load_specs
 from tasks.env.suite import Outcome
 
 BROKEN_ROMAN = """\
@@ -185,7 +185,7 @@ def test_evaluator_survives_code_that_hangs(tmp_path):
         "build", "write_file", {"path": "roman/__init__.py", "content": "while True:\n    pass\n"}
     )
     limits = sandbox.Limits(wall_s=3, cpu_s=30)
-    verdict = judge(env.spec, str(ws), limits=limits)
+    verdict = judge_spec(env.spec, str(ws), limits=limits)
     assert verdict.error == "hidden tests stopped after 3s"
     assert verdict.passed == {"to_roman": 0, "from_roman": 0, "errors": 0}
 

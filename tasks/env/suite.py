@@ -39,7 +39,8 @@ Harness (``rollout.harness``): the agent, a black box that only knows a base URL
       ``OPENAI_BASE_URL`` (``…/v1``), ``OPENAI_API_KEY`` (so an unmodified OpenAI-client
       agent just works), ``GYRE_TASK_FILE`` (JSON: task id, system prompt, tools, turns, task
       data), ``GYRE_WORKDIR`` (its cwd: the repository suite's workspace) and
-      ``GYRE_OUTPUT``, a JSON file it may write::
+      ``GYRE_OUTPUT``, a JSON file it may write (relative paths in the command that name
+      existing files are made absolute first, since it runs in its workdir)::
 
           {"answers": {"TURN_ID": {"text": "...", "request_id": "chatcmpl-..."}},
            "tool_calls": {"TURN_ID": [{"name": "...", "arguments": {...},
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import shlex
 import shutil
 import tempfile
@@ -359,6 +361,11 @@ def parse_harness(spec: str, *, key: str = "rollout.harness") -> tuple[str, Any,
         exe = argv[0]
         if shutil.which(exe) is None and not Path(exe).is_file():
             return "cmd", None, [_p(key, spec, f"{exe!r} is not an executable on PATH or a file")]
+        # the command runs in its session's workdir: relative paths to files that exist here
+        # (the agent script, its config) are made absolute now
+        argv = [
+            os.path.abspath(a) if not os.path.isabs(a) and os.path.isfile(a) else a for a in argv
+        ]
         return "cmd", argv, []
     obj, problems = _resolve(spec, "my_harness", key)
     if problems:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flows.config import ConfigError, load_config
@@ -16,6 +18,7 @@ from tasks.env.suite import (
     check_suite,
     close_scores,
     load_suite,
+    parse_harness,
 )
 
 FAKE = "tests.tasks.env.fake_suites"
@@ -60,6 +63,10 @@ def test_harness_specs():
     assert check_harness("builtin") == []
     assert check_harness(f"{FAKE}:echo_harness") == []
     assert check_harness("cmd:python -c pass") == []
+    # the command runs in its workdir: a relative script path is made absolute up front
+    kind, argv, _ = parse_harness("cmd:python tests/tasks/env/echo_agent.py --flag")
+    assert kind == "cmd" and argv[0] == "python" and argv[2] == "--flag"
+    assert argv[1] == str(Path("tests/tasks/env/echo_agent.py").resolve())
     bad = {
         "cmd:/no/such/agent --x": "'/no/such/agent' is not an executable",
         "cmd:": "empty command",

@@ -20,12 +20,6 @@ With admission, at step ``w`` the rollouts of base ``<= w - L`` not yet trained
 are at most ``(w + 1) * batch - w * batch = batch``: the gate never asks a step
 for more than it takes, so the bound holds by construction.
 
-A rollout that starts long after its version was published has a shorter
-window before the step that must train it; if it runs to the cap it holds that
-step back. ``start_window_s`` closes admission that long after each publication
-(the rest wait for the next version) -- except for the rollouts without which
-the next step could never fill its batch; ``None`` never closes it.
-
 Pure module: no prefect, no distributed, no I/O.
 """
 
@@ -62,14 +56,9 @@ def step_ready(s: SchedState, batch: int, max_lag: int) -> bool:
     return gating(s, max_lag)[0] == 0
 
 
-def admissible(s: SchedState, batch: int, max_lag: int, start_window_s: float | None = None) -> int:
+def admissible(s: SchedState, batch: int, max_lag: int) -> int:
     """How many more rollouts may start now on cells holding ``s.version``."""
-    allowed = max(0, (s.version + max_lag + 1) * batch - s.started)
-    if start_window_s is not None and s.now - s.published_at > start_window_s:
-        # past the window: only what the next step cannot do without
-        supply = s.in_flight + finished_total(s)
-        allowed = min(allowed, max(0, batch - supply))
-    return allowed
+    return max(0, (s.version + max_lag + 1) * batch - s.started)
 
 
 def step_eta(

@@ -148,12 +148,8 @@ class Async:
 
     def recommendations(self, s: SchedState) -> list[Decision]:
         out: list[Decision] = []
-        train = [c for c in s.cells if c.role == "train"]
-        if (
-            not s.step_running
-            and s.finished_prefix >= s.trained + self.batch
-            and all(not c.busy for c in train)
-        ):
+        if not s.step_running and s.finished_prefix >= s.trained + self.batch:
+            train = [c for c in s.cells if c.role == "train"]
             m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
             out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="index"))
         # rollout i belongs to batch i // batch and may start only with weights
@@ -174,7 +170,6 @@ class AsyncStream:
     max_lag: int = 1
     train_s_per_sample: float = 60.0
     dp_sync_s: float = 2.0
-    start_window_s: float | None = None
     name: str = "async-stream"
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
@@ -187,12 +182,11 @@ class AsyncStream:
 
     def recommendations(self, s: SchedState) -> list[Decision]:
         out: list[Decision] = []
-        idle = [c for c in s.cells if c.role == "train" and not c.busy]
-        if idle and step_ready(s, self.batch, self.max_lag):
-            n_train = sum(1 for c in s.cells if c.role == "train")
-            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, n_train)
-            out.append(StartStep(tuple(c.id for c in idle[:m]), self.batch, order="oldest"))
-        allowed = admissible(s, self.batch, self.max_lag, self.start_window_s)
+        if step_ready(s, self.batch, self.max_lag):
+            train = [c for c in s.cells if c.role == "train"]
+            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="oldest"))
+        allowed = admissible(s, self.batch, self.max_lag)
         if allowed == 0:
             return out
         fresh, loads, _ = _rollout_side(s, allowed)
@@ -228,7 +222,6 @@ class Elastic:
     timeout_s: float
     marks: Marks
     max_lag: int = 1
-    start_window_s: float | None = None
     min_dwell_s: float = 300.0
     block: int = 1
     streaming: bool = True
@@ -252,6 +245,14 @@ class Elastic:
         t, sync = self.train_s_per_sample, self.dp_sync_s
         n = len(s.cells)
         m_best = best_members(b, t, sync, n - self.core)
+        stepping = s.step_running
+        if self.streaming:
+            ready = step_ready(s, b, lag)
+        else:  # ablation: wait for the next batch by index, like Async
+            ready = not stepping and s.finished_prefix >= s.trained + b
+        allowed = admissible(s, b, lag)
+        if not ready and allowed == 0 and self._signal(s, stepping) <= 0:
+            return out  # nothing to start, no step near: nothing to decide (most ticks)
 
         idle_train: list[CellView] = []
         n_train = 0  # in training or on the way there
@@ -266,11 +267,6 @@ class Elastic:
 
         # 1. the step: start with the idle train cells, unless waiting for the
         # cells that can join within marks.low makes the step end sooner
-        stepping = s.step_running
-        if self.streaming:
-            ready = step_ready(s, b, lag)
-        else:  # ablation: wait for the next batch by index, like Async
-            ready = not stepping and s.finished_prefix >= s.trained + b
         leaving: set[int] = set()
         reserved: dict[int, int] = {}
         recruits: list[Decision] = []
@@ -290,19 +286,7 @@ class Elastic:
 
         # 2. waterlevel on the time until the next step can start: staff
         # training when it is near, lend its idle cells to rollout when far
-        next_version = s.version + 1 if stepping else s.version
-        if self.streaming:
-            taken = b if stepping and not s.step_running else 0  # booked this tick
-            eta = step_eta(s, b, lag, self.timeout_s, next_version, taken)
-        else:
-            eta = (
-                0.0
-                if s.finished_prefix >= s.trained + (2 if stepping else 1) * b
-                else self.marks.high
-            )
-        sig = due_signal(eta, self.marks)
-
-        allowed = admissible(s, b, lag, self.start_window_s)
+        sig = self._signal(s, stepping)
         if sig > 0 and n_train < m_best and not (ready or stepping):
             out += self._recruit(s, m_best - n_train, leaving, reserved)
         elif sig < 0 and idle_train and allowed > 0 and not moving:
@@ -325,6 +309,22 @@ class Elastic:
         # core first, then fuller cells first: sessions pack, non-core cells empty out
         fresh.sort(key=lambda c: (c.id >= self.core, -c.sessions, c.id))
         return out + loads + _fill(fresh, cap, allowed, reserved)
+
+    def _signal(self, s: SchedState, stepping: bool) -> int:
+        """Waterlevel signal on the time until the next step can start.
+
+        ``stepping``: a step runs or was booked this tick (its samples are
+        gone, the next step starts from the version after it).
+        """
+        b = self.batch
+        next_version = s.version + 1 if stepping else s.version
+        if self.streaming:
+            taken = b if stepping and not s.step_running else 0  # booked this tick
+            eta = step_eta(s, b, self.max_lag, self.timeout_s, next_version, taken)
+        else:
+            due = s.finished_prefix >= s.trained + (2 if stepping else 1) * b
+            eta = 0.0 if due else self.marks.high
+        return due_signal(eta, self.marks)
 
     def _members(self, s: SchedState, m_now: int, m_soon: int, m_best: int) -> int:
         """Members to start a ready step with: now, or after waiting for more.

@@ -21,24 +21,14 @@ def elastic_marks(w: Workload) -> Marks:
     """Marks on the time to the next step (seconds).
 
     ``low``: what a rollout cell needs to join training (its sessions' next
-    call boundary, the switch, one tick). ``high``: ``low`` plus four round
-    trips (out: switch + weight load; back: call + switch), so a cell lent to
-    rollout serves it for several times what the trip cost.
+    call boundary, the switch, one tick). ``high``: ``low`` plus a round trip
+    (out: switch + weight load; back: call + switch): an idle train cell is
+    lent to rollout only if it can go and be back before the next step needs
+    it. The gap between the marks, one round trip, is the dead band.
     """
     low = w.call_s + w.switch_s + w.tick_s
     trip = (w.switch_s + w.weight_load_s) + (w.call_s + w.switch_s)
-    return Marks(low=low, high=low + 4 * trip)
-
-
-def start_window(w: Workload) -> float:
-    """How long after a publication new rollouts of that version may start.
-
-    A rollout that starts ``x`` after its version appeared and runs to the cap
-    holds the step that must train it back by up to ``x``; one sixteenth of the
-    cap bounds that, while leaving time to start a batch as earlier rollouts
-    free their slots.
-    """
-    return w.timeout_s / 16
+    return Marks(low=low, high=low + trip)
 
 
 def colocate(w: Workload) -> Colocate:

@@ -45,14 +45,6 @@ def test_admission_by_hand():
     assert admissible(state(version=3, started=35), 8, 0) == 0  # lag 0: (3 + 1) * 8 = 32
 
 
-def test_admission_window_keeps_what_the_next_step_needs():
-    vs = [VersionCount(3, 2, 1)]
-    s = state(vs, version=3, started=30, published_at=9_000.0)
-    assert admissible(s, 8, 1, start_window_s=2_000.0) == 10  # inside the window
-    # past the window: only what the next step lacks (8 - 3 in flight or finished)
-    assert admissible(s, 8, 1, start_window_s=500.0) == 5
-
-
 def test_step_eta_is_the_later_of_the_gate_and_the_water():
     vs = [VersionCount(2, 1, 5, oldest_start=9_000.0), VersionCount(3, 0, 1)]
     s = state(vs, version=3, finish_rate=0.01)

@@ -81,7 +81,9 @@ class SchedState:
     ``Coordinator.rate_tau_s`` — what the elastic policy sizes training by.
     ``versions``: untrained rollouts per base version, oldest first (see
     :class:`VersionCount`). ``published_at``: when ``version`` was published
-    (the end of the last step; 0 for version 0).
+    (the end of the last step; 0 for version 0). ``mean_duration``: how long
+    a rollout holds its slot, start to finish, averaged over about the last
+    ``Coordinator.duration_window`` finished rollouts (0 before any).
     """
 
     now: float
@@ -97,6 +99,7 @@ class SchedState:
     finish_rate: float = 0.0
     versions: tuple[VersionCount, ...] = ()
     published_at: float = 0.0
+    mean_duration: float = 0.0
 
     def count(self, role: Role) -> int:
         return sum(1 for c in self.cells if c.role == role)
@@ -251,6 +254,11 @@ class Coordinator:
     rate_tau_s: float = 1800.0
     published_at: float = 0.0
     _finished_since_tick: int = 0
+    # rollouts finish in bursts and the long ones last, so the mean is taken
+    # over finishes, not time: about two pools' worth of slots (0 = that)
+    duration_window: int = 0
+    mean_duration: float = 0.0
+    _n_done: int = 0
     _cells: list[_Cell] = field(default_factory=list)
     _finished: set[int] = field(default_factory=set)
     finished_prefix: int = 0
@@ -274,6 +282,8 @@ class Coordinator:
     def __post_init__(self) -> None:
         if self.n_cells < 1 or self.cap < 1:
             raise ValueError(f"need n_cells >= 1 and cap >= 1, got {self.n_cells}, {self.cap}")
+        if self.duration_window <= 0:
+            self.duration_window = 2 * self.n_cells * self.cap
         roles = self.policy.initial_roles(self.n_cells)
         self._cells = [_Cell(role=r) for r in roles]
         self._views = [self._view(i) for i in range(self.n_cells)]
@@ -316,6 +326,7 @@ class Coordinator:
             finish_rate=self.finish_rate,
             versions=self._versions(),
             published_at=self.published_at,
+            mean_duration=self.mean_duration,
         )
 
     def cell(self, i: int) -> CellView:
@@ -340,7 +351,10 @@ class Coordinator:
             self.in_flight -= 1
             self.water_level += 1
             self._finished_since_tick += 1
-            base, _ = self._flying.pop(event.index)
+            base, start = self._flying.pop(event.index)
+            self._n_done += 1
+            k = min(self._n_done, self.duration_window)
+            self.mean_duration += (self.now - start - self.mean_duration) / k
             self._n_fly[base] -= 1
             if event.version is not None:
                 base = min(base, event.version)

@@ -41,6 +41,8 @@ from tasks.sched.coordinator import (
 from tasks.sched.lag import admissible, step_eta, step_ready
 from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_signal
 
+SLACK = 0.02  # see Elastic._target_members
+
 
 def _fill(
     cells: list[CellView], cap: int, budget: int, reserved: dict[int, int] | None = None
@@ -205,11 +207,15 @@ class Elastic:
       training up to the fastest DP size; ``eta >= marks.high`` lends idle
       train cells to rollout while admitted rollouts lack a slot; in between
       nothing moves (hysteresis), and a cell keeps a role ``min_dwell_s``.
-    - a step starts with the idle train cells at once unless waiting for the
-      cells on their way (``marks.low``) makes it finish sooner.
+    - a step starts with the idle train cells at once unless waiting for more
+      (those on their way arrive within ``marks.low``, others as their
+      sessions end) makes it end sooner; while it waits only the core takes
+      new rollouts (backpressure), so the other cells empty out.
     - boundary dispatch: a rollout cell leaves only if its sessions fit in free
       slots of cells that stay (each moves at its next call boundary, to a cell
-      holding weights at least as new); a train cell leaves between steps.
+      holding weights at least as new); the emptiest cells leave first and new
+      rollouts fill the core and the fullest cells first, so sessions pack. A
+      train cell leaves between steps.
     - core retention: cells ``0 .. core-1`` always roll out.
     - allocation in blocks of ``block`` cells (1 = per cell; larger is the
       "no per-cell allocation" ablation).
@@ -242,9 +248,8 @@ class Elastic:
     def recommendations(self, s: SchedState) -> list[Decision]:
         out: list[Decision] = []
         b, lag, cap = self.batch, self.max_lag, s.cap
-        t, sync = self.train_s_per_sample, self.dp_sync_s
         n = len(s.cells)
-        m_best = best_members(b, t, sync, n - self.core)
+        m_best = self._target_members(s)
         stepping = s.step_running
         if self.streaming:
             ready = step_ready(s, b, lag)
@@ -309,6 +314,39 @@ class Elastic:
         # core first, then fuller cells first: sessions pack, non-core cells empty out
         fresh.sort(key=lambda c: (c.id >= self.core, -c.sessions, c.id))
         return out + loads + _fill(fresh, cap, allowed, reserved)
+
+    def _target_members(self, s: SchedState) -> int:
+        """DP members to staff training with: the size whose run is fastest.
+
+        Per step the run needs at least ``(timeout + d(m)) / (L + 1)`` (the lag
+        window, ``tasks/sched/bound.py``), ``d(m)`` (steps run one at a time)
+        and ``(batch * mean_duration / cap + batch * t + sync * m^2) / cells``
+        (capacity: the rollouts' slot time plus the step's cell time). The
+        first two fall with ``m`` up to the fastest step, the last rises: the
+        best ``m`` is where they cross. Without a duration yet, the fastest step.
+        """
+        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
+        n = len(s.cells)
+        fastest = best_members(b, t, sync, n - self.core)
+        if s.mean_duration <= 0:
+            return fastest
+
+        def lag_time(m: int) -> float:
+            d = dp_step_seconds(b, m, t, sync)
+            return max((self.timeout_s + d) / (self.max_lag + 1), d)
+
+        def cap_time(m: int) -> float:
+            return (b * s.mean_duration / s.cap + b * t + sync * m * m) / n
+
+        if lag_time(fastest) >= cap_time(fastest):
+            return fastest
+        # the crossing: the first m where capacity, not the lag window, binds
+        cross = _first(lambda m: lag_time(m) <= cap_time(m), 1, fastest)
+        best = min(max(lag_time(m), cap_time(m)) for m in {max(1, cross - 1), cross})
+        # past it the time rises slowly (the sync cost): take the largest m within
+        # SLACK of the best, so steps stay short when the durations move
+        over = _first(lambda m: cap_time(m) > best * (1 + SLACK), cross, fastest + 1)
+        return max(cross, over - 1)
 
     def _signal(self, s: SchedState, stepping: bool) -> int:
         """Waterlevel signal on the time until the next step can start.
@@ -422,6 +460,17 @@ class Elastic:
                 for tgt, k in r:
                     reserved[tgt] = reserved.get(tgt, 0) + k
         return out
+
+
+def _first(pred, lo: int, hi: int) -> int:
+    """The smallest m in [lo, hi] with pred(m) (pred monotone); hi if none before it."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def core_cells(n_cells: int, frac: float) -> int:

@@ -253,3 +253,31 @@ def test_coordinator_checks_boundaries_and_caps():
     with pytest.raises(AssertionError, match="boundary"):
         co._book(Move(3, "train"))  # busy: mid weight load
     co.handle(WeightsLoaded(3, 0))
+
+
+def test_elastic_training_size_fastest_when_lag_bound_binds_else_by_capacity():
+    """1,000 cells, batch 4,000, 60 s/sample, 2 s sync: the fastest step has 346
+    members. Lag <= 1 with a 4 h cap: two steps per (14,400 s + d), so every
+    second of d counts: 346. Lag <= 4 with 5,000 s rollouts: per step the pool
+    needs (4,000 x 5,000 / 4 + 240,000 + 2 m^2) / 1,000 = 5,240 + 0.002 m^2 s
+    and the lag window far less, so capacity binds from m = 47 (where
+    d(m) = 240,000 / m + 2 m drops to it); past that the largest m within 2 %
+    of 5,244.4 s: 0.002 m^2 <= 109.3 -> m = 233.
+    """
+    cells = [CellView(i, "rollout") for i in range(1000)]
+    kw = dict(train_s_per_sample=60.0, dp_sync_s=2.0, timeout_s=14_400.0, batch=4000, core=125)
+    s = state(cells, mean_duration=5_000.0)
+    assert elastic(**kw, max_lag=1)._target_members(s) == 346
+    assert elastic(**kw, max_lag=4)._target_members(s) == 233
+    assert elastic(**kw, max_lag=4)._target_members(state(cells)) == 346  # no duration yet
+
+
+def test_coordinator_mean_duration_over_finishes():
+    co = Coordinator(AsyncStream(batch=2, rollout_cells=1, max_lag=1), n_cells=2, cap=4)
+    co.handle(Tick(0.0))  # starts rollouts 0-3 at t = 0
+    co.handle(Tick(100.0))
+    co.handle(RolloutFinished(0, 0))
+    co.handle(Tick(300.0))
+    co.handle(RolloutFinished(0, 1))
+    assert co.state().mean_duration == pytest.approx(200.0)  # (100 + 300) / 2
+    assert co.duration_window == 2 * 2 * 4  # two pools' worth of slots

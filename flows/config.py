@@ -27,6 +27,7 @@ from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
 from infra.gateway.config import GatewayConfig
 from tasks.env.config import RolloutConfig
+from tasks.sched.config import SchedulerConfig, cell_problems
 from tasks.train.config import TrainConfig
 
 SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -49,6 +50,7 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
 
     @field_validator("run_id")
     @classmethod
@@ -82,6 +84,9 @@ class RunConfig(BaseModel):
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (calls would be refused); "
                 f"set it to at least {8 * self.rollout.max_new_tokens} plus the context you expect"
             )
+        problems += cell_problems(
+            self.scheduler, self.cluster.rollout_cells, self.cluster.train_cells
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self

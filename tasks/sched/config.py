@@ -1,0 +1,131 @@
+"""Settings of the scheduler (the `scheduler` section of a run config) and the policy they build.
+
+One section drives every mode, so that a comparison changes ``mode`` and nothing else:
+
+- ``mode``: ``colocate`` (all cells roll out a batch, then all train on it), ``async`` (a
+  fixed split, rollouts at most ``max_lag`` versions ahead) or ``elastic`` (streaming steps,
+  waterlevel control, boundary dispatch, core retention, dynamic-membership DP).
+- the unit the scheduler counts is one *group*: ``rollout.group_size`` sessions of one task,
+  which GRPO needs together; a step trains ``rollout.groups_per_step`` groups.
+- ``pacing``: device time of the cells, for benchmarks where a few CPU cores stand in for
+  more accelerators (see :class:`PacingConfig`); off by default.
+
+Pure module: no prefect, no distributed, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["colocate", "async", "elastic"]
+
+
+class PacingConfig(BaseModel):
+    """Paced device time: a cell's work takes at least this long, whatever the CPU does.
+
+    A rollout cell's decode step takes ``decode_step_s`` for any batch up to the engine's
+    ``max_batch_size`` (a GPU decodes a batch in about the time of one row), so one cell
+    serves at most ``max_batch_size / decode_step_s`` tokens/s and one session
+    ``1 / decode_step_s``; prefill runs at ``prefill_tokens_per_s``. A training member spends
+    ``train_s_per_token`` per token it forwards (its shard of the step). 0 = not paced: the
+    real compute is all there is.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    decode_step_s: float = Field(0.0, ge=0, le=10)
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
+    train_s_per_token: float = Field(0.0, ge=0, le=10)
+
+
+class SchedulerConfig(BaseModel):
+    """How cells are given roles while a run goes on (DESIGN.md §6)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    mode: Mode = Field(
+        "elastic",
+        description="colocate | async | elastic; async splits cells as cluster.rollout_cells "
+        "+ cluster.train_cells",
+    )
+    groups_per_cell: int = Field(
+        2, ge=1, le=64, description="groups a rollout cell serves at once (its session cap)"
+    )
+    max_lag: int = Field(
+        1, ge=0, le=16, description="policy versions a trained token may lag (every mode)"
+    )
+    core: int = Field(1, ge=1, description="rollout cells elastic never takes (core retention)")
+    train_core: int = Field(1, ge=0, description="train cells elastic keeps")
+    low_mark: float = Field(0.5, ge=0, description="water level (in batches) to shrink training")
+    high_mark: float = Field(2.0, gt=0, description="water level (in batches) to grow training")
+    move_step: int = Field(1, ge=1, description="cells elastic moves at once")
+    min_dwell_s: float = Field(5.0, ge=0, description="a cell keeps a role at least this long")
+    shuffle_buffer: int = Field(
+        0, ge=0, le=1024, description="finished groups held back and released in random order"
+    )
+    tick_s: float = Field(0.2, gt=0, le=60, description="how often the coordinator decides")
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="a withdrawn cell's in-flight calls finish within this, else move"
+    )
+    step_timeout_s: float = Field(
+        600.0, gt=0, description="bound on one training step (DP rendezvous and collectives)"
+    )
+    dp_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on GPUs, gloo on CPU"
+    )
+    train_s_per_group: float = Field(
+        1.0, gt=0, description="the policy's estimate of one member's step time per group"
+    )
+    dp_sync_s: float = Field(0.1, ge=0, description="the policy's estimate of DP cost per member")
+    pacing: PacingConfig = PacingConfig()
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> SchedulerConfig:
+        if self.low_mark >= self.high_mark:
+            raise ValueError(
+                f"scheduler.low_mark={self.low_mark} must be below scheduler.high_mark="
+                f"{self.high_mark} (the gap is the hysteresis band)"
+            )
+        return self
+
+
+def cell_problems(cfg: SchedulerConfig, rollout_cells: int, train_cells: int) -> list[str]:
+    """What is wrong with this many cells for ``cfg.mode`` (each names the setting and fix)."""
+    n = rollout_cells + train_cells
+    out = []
+    if cfg.mode == "elastic" and not cfg.core < n:
+        out.append(
+            f"scheduler.core={cfg.core}: elastic needs fewer core cells than cells ({n}); "
+            "lower scheduler.core or add cells"
+        )
+    if cfg.mode == "elastic" and cfg.core + cfg.train_core > n:
+        out.append(
+            f"scheduler.train_core={cfg.train_core}: core + train_core must fit the {n} cells; "
+            "lower it or add cells"
+        )
+    return out
+
+
+def build_policy(cfg: SchedulerConfig, *, n_cells: int, rollout_cells: int, batch: int):
+    """The policy object of ``cfg.mode`` — the same classes the simulator drives."""
+    from tasks.sched.modes import Async, Colocate, Elastic
+    from tasks.sched.waterlevel import Marks
+
+    if cfg.mode == "colocate":
+        return Colocate(batch=batch)
+    if cfg.mode == "async":
+        return Async(batch=batch, rollout_cells=rollout_cells)
+    return Elastic(
+        batch=batch,
+        marks=Marks(low=cfg.low_mark * batch, high=cfg.high_mark * batch),
+        core=min(cfg.core, n_cells - 1),
+        train_s_per_sample=cfg.train_s_per_group,
+        dp_sync_s=cfg.dp_sync_s,
+        move_step=cfg.move_step,
+        min_train=cfg.train_core,
+        min_dwell_s=cfg.min_dwell_s,
+        refresh_lag=max(1, cfg.max_lag),
+    )

@@ -252,6 +252,18 @@ class Gateway:
     def engines(self) -> dict:
         return self.router.info()
 
+    def end_session(self, session_id: str) -> None:
+        """The session's rollout is over: its cell stops counting it, so placement ignores it
+        and a withdrawal of the cell moves no KV for it (its calls stay readable)."""
+        if self._loop is not None:
+            self._in_loop(self._end_session(session_id), timeout=30)
+
+    async def _end_session(self, session_id: str) -> None:
+        s = self.sessions.get(session_id)
+        h = self.router.engines.get(s.cell_id) if s is not None and s.cell_id else None
+        if h is not None:
+            h.sessions.discard(session_id)
+
     async def _withdraw(self, cell_id: str, drain_timeout: float) -> dict:
         h = self.router.engines.get(cell_id)
         if h is None:

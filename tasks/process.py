@@ -21,7 +21,7 @@ from storage.store import Store
 from storage.tito import TitoRecord
 from tasks.handles import ProcessedStep, SessionHandle
 from tasks.train.config import TrainConfig
-from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.sampler import Sample, build_samples
 from tasks.trajectory.scoring import Score, score_rollout, scores_at_requests
 from tasks.trajectory.tree import build_trees, root_session
 
@@ -121,7 +121,7 @@ def process_sessions(
         max_staleness=max_staleness,
         stale_policy=stale_policy,
     )
-    seg = store.append("samples", [s.to_row() for s in samples])
+    seg = store.append("samples", [_sample_row(s) for s in samples])
     return ProcessedStep(
         step=step,
         samples_segment=seg,
@@ -133,6 +133,52 @@ def process_sessions(
         tokens_flat=int(sum(r["n_tokens_flat"] for r in rollout_rows)),
         reward_mean=float(np.mean(list(rewards.values()))) if rewards else 0.0,
     )
+
+
+def _sample_row(s: Sample) -> dict[str, Any]:
+    """The stored row: the sample plus the policy versions of its trainable tokens."""
+    v = s.versions[(s.versions >= 0) & s.trainable_mask]
+    lo, hi = (int(v.min()), int(v.max())) if v.size else (-1, -1)
+    return {**s.to_row(), "version_min": lo, "version_max": hi}
+
+
+@task(name="process-group", task_run_name="process-g{index}")
+def process_group(
+    store: Store,
+    run_id: str,
+    index: int,
+    step: int,
+    sessions: list[SessionHandle],
+    current_version: int,
+    cfg: TrainConfig,
+    since_ns: int | None = None,
+) -> ProcessedStep:
+    """Trees, scores and samples of one finished group, as soon as it finished (streaming).
+
+    Staleness is not judged here: the lag of a sample is known only when a step takes it,
+    and the step enforces the bound (tasks/train_step.py).
+    """
+    out = process_sessions(
+        store,
+        run_id,
+        step,
+        sessions,
+        current_version=current_version,
+        since_ns=since_ns,
+        reward_aggregation=cfg.reward_aggregation,
+        advantage=cfg.advantage,
+        max_staleness=None,
+    )
+    get_run_logger().info(
+        "group %d: %d calls -> %d samples; unique/flat tokens %d/%d; reward %.3f",
+        index,
+        out.n_calls,
+        out.n_samples,
+        out.tokens_unique,
+        out.tokens_flat,
+        out.reward_mean,
+    )
+    return out
 
 
 @task(name="process-step", task_run_name="process-step-{step}")

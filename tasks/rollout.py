@@ -1,14 +1,22 @@
 """Prefect task: roll out one group (one task, ``group_size`` sessions) through the gateway.
 
-Each session gets its own API key from the gateway; the harness sees only the
-base URL and the key. The environment's sub-task scores are written to the
-store whatever happens: a failed or timed-out session is scored on what it
-finished, with the reason recorded.
+Each session gets its own API key from the gateway; the harness sees only the base URL and
+the key. The environment's sub-task scores are written to the store whatever happens: a
+failed, timed-out or stopped session is scored on what it finished, with the reason.
+
+Sessions run on threads of their own, so an environment that takes its time between two
+model calls (``GroupSpec.env_step_s``: a tool, a test run) holds up only its own session.
+A run that ends stops its rollouts cooperatively: each session checks the run's stop event
+at its next environment step (a Prefect cancel does not stop a running Dask task).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import random
+import threading
 import time
 from typing import Any
 
@@ -20,7 +28,13 @@ from storage.store import Store
 from tasks.env.arith import ArithEnv
 from tasks.env.config import RolloutConfig
 from tasks.env.harness import run_agent
-from tasks.handles import SessionHandle
+from tasks.handles import GroupSpec, SessionHandle
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The run is over: the session ends at this environment step (scored as unfinished)."""
 
 
 def new_session(
@@ -38,9 +52,43 @@ def new_session(
     return body["session_id"], body["api_key"]
 
 
-async def _run_session(
-    gateway_url: str, key: str, env: ArithEnv, cfg: RolloutConfig, seed: int
+class SlowEnv:
+    """An environment whose every step (a graded answer, a tool call) takes time: a
+    log-normal draw around ``median_s``, long-tailed by ``sigma`` (pacing of the world the
+    agent acts in). Checks ``stopped()`` first, so a finished run ends its sessions."""
+
+    def __init__(self, env: Any, median_s: float, sigma: float, seed: int, stopped=None):
+        self._env = env
+        self._median, self._sigma = median_s, sigma
+        self._rng = random.Random(seed)
+        self._stopped = stopped or (lambda: False)
+
+    def _step(self) -> None:
+        if self._stopped():
+            raise Stopped("the run ended")
+        if self._median > 0:
+            time.sleep(self._median * math.exp(self._sigma * self._rng.gauss(0.0, 1.0)))
+
+    def submit(self, *args, **kwargs):
+        self._step()
+        return self._env.submit(*args, **kwargs)
+
+    def call_tool(self, *args, **kwargs):
+        self._step()
+        return self._env.call_tool(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
+async def run_session(
+    gateway_url: str, key: str, env: Any, cfg: RolloutConfig, seed: int
 ) -> dict[str, Any]:
+    """Run one session of the harness against the gateway and score it on ``env``.
+
+    Returns ``{"status", "reason", "calls"}``; never raises (the harness is a black box:
+    record, never drop).
+    """
     status, reason, calls = "finished", "", 0
     try:
         res = await asyncio.wait_for(
@@ -61,6 +109,9 @@ async def _run_session(
     except TimeoutError:
         status, reason = "timeout", f"rollout exceeded {cfg.timeout_s}s"
         env.mark("timeout", reason)
+    except Stopped as exc:
+        status, reason = "unfinished", str(exc)
+        env.mark("unfinished", reason)
     except Exception as exc:  # the harness is a black box: record, never drop
         status, reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
         env.mark("failed", reason)
@@ -68,50 +119,74 @@ async def _run_session(
     return {"status": status, "reason": reason, "calls": calls}
 
 
-@task(name="rollout-group", task_run_name="rollout-{group_id}")
-def rollout_group(
+def _watch_stop(ev: Any, stop: threading.Event, done: threading.Event) -> None:
+    """Poll the run's distributed stop event ``ev`` once a second until ``done``; mirror it
+    into ``stop`` (a plain flag the session threads read for free)."""
+    while not done.wait(1.0):
+        try:
+            if ev.is_set():
+                stop.set()
+                return
+        except Exception as exc:  # the scheduler is unreachable: keep going, say so
+            log.warning("stop event unreadable: %s", exc)
+
+
+def roll_out_group(
     gateway_url: str,
     admin_token: str,
     store: Store,
     run_id: str,
-    step: int,
-    group_id: str,
-    task_seed: int,
-    cfg: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
-    logger = get_run_logger()
+    spec: GroupSpec,
+    cfg: RolloutConfig,
+    stop_event: str | None = None,
+) -> list[SessionHandle]:
+    """The body of ``rollout_group`` (callable without Prefect)."""
+    stop, done = threading.Event(), threading.Event()
     envs, keys, sids = [], [], []
     for i in range(cfg.group_size):
-        env = ArithEnv.create(task_seed, cfg.subtasks)
+        env = ArithEnv.create(spec.task_seed, spec.subtasks)
         sid, key = new_session(
-            gateway_url, admin_token, group_id, {"step": step, "task_id": env.task_id, "member": i}
+            gateway_url,
+            admin_token,
+            spec.group_id,
+            {"step": spec.step, "task_id": env.task_id, "member": i, "group": spec.index},
         )
         envs.append(env)
         keys.append(key)
         sids.append(sid)
+    outcomes: list[dict[str, Any] | None] = [None] * len(envs)
 
-    async def _all():
-        return await asyncio.gather(
-            *[
-                _run_session(gateway_url, k, e, cfg, seed=cfg.seed * 100_003 + task_seed * 101 + i)
-                for i, (k, e) in enumerate(zip(keys, envs, strict=True))
-            ]
-        )
+    def one(i: int) -> None:
+        seed = cfg.seed * 100_003 + spec.task_seed * 101 + i
+        env = SlowEnv(envs[i], spec.env_step_s, spec.env_step_sigma, seed, stop.is_set)
+        outcomes[i] = asyncio.run(run_session(gateway_url, keys[i], env, cfg, seed))
 
-    t0 = time.monotonic()
-    outcomes = asyncio.run(_all())
-    rows = []
-    handles = []
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(envs))]
+    for t in threads:
+        t.start()
+    watcher = None
+    if stop_event:
+        from distributed import Event
+
+        ev = Event(stop_event)  # made here, on the task's thread, where the worker client is
+        watcher = threading.Thread(target=_watch_stop, args=(ev, stop, done), daemon=True)
+        watcher.start()
+    for t in threads:  # run_session bounds itself (cfg.timeout_s); the join adds a margin
+        t.join(timeout=cfg.timeout_s + 60)
+    done.set()
+    if watcher is not None:
+        watcher.join(timeout=5)
+    rows, handles = [], []
     for sid, env, out in zip(sids, envs, outcomes, strict=True):
+        out = out or {"status": "failed", "reason": "session thread did not end", "calls": 0}
         for r in env.score_rows():
             rows.append({"run_id": run_id, "session_id": sid, **r})
         handles.append(
             SessionHandle(
                 session_id=sid,
-                group_id=group_id,
+                group_id=spec.group_id,
                 task_id=env.task_id,
-                step=step,
+                step=spec.step,
                 status=out["status"],
                 subtasks={t.subtask_id: t.weight for t in env.subtasks},
                 reason=out["reason"],
@@ -119,13 +194,28 @@ def rollout_group(
             )
         )
     store.append("scores", rows)
-    n_calls = sum(h.calls for h in handles)
+    return handles
+
+
+@task(name="rollout-group", task_run_name="rollout-{spec.group_id}")
+def rollout_group(
+    gateway_url: str,
+    admin_token: str,
+    store: Store,
+    run_id: str,
+    spec: GroupSpec,
+    cfg: RolloutConfig,
+    stop_event: str | None = None,
+) -> list[SessionHandle]:
+    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
+    t0 = time.monotonic()
+    handles = roll_out_group(gateway_url, admin_token, store, run_id, spec, cfg, stop_event)
     bad = [h for h in handles if h.status != "finished"]
-    logger.info(
+    get_run_logger().info(
         "group %s: %d sessions, %d calls in %.1fs%s",
-        group_id,
+        spec.group_id,
         len(handles),
-        n_calls,
+        sum(h.calls for h in handles),
         time.monotonic() - t0,
         f", {len(bad)} not finished" if bad else "",
     )

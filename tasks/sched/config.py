@@ -15,6 +15,7 @@ Pure module: no prefect, no distributed, no I/O.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,7 +24,7 @@ Mode = Literal["colocate", "async", "elastic"]
 
 
 class PacingConfig(BaseModel):
-    """Paced device time: a cell's work takes at least this long, whatever the CPU does.
+    """Paced device and environment time, so few CPU cores stand in for many devices.
 
     A rollout cell's decode step takes ``decode_step_s`` for any batch up to the engine's
     ``max_batch_size`` (a GPU decodes a batch in about the time of one row), so one cell
@@ -31,6 +32,12 @@ class PacingConfig(BaseModel):
     ``1 / decode_step_s``; prefill runs at ``prefill_tokens_per_s``. A training member spends
     ``train_s_per_token`` per token it forwards (its shard of the step). 0 = not paced: the
     real compute is all there is.
+
+    The world the agents act in: every environment step takes a log-normal time around
+    ``env_step_s`` (spread ``env_step_sigma``: a long tail of slow tools), and a group's
+    rollout length (sub-tasks) is ``rollout.subtasks`` scaled by a log-normal draw
+    (``length_sigma``) and by a factor growing linearly from 1 to ``length_growth`` over the
+    run (agents learn longer horizons as they train).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -38,6 +45,16 @@ class PacingConfig(BaseModel):
     decode_step_s: float = Field(0.0, ge=0, le=10)
     prefill_tokens_per_s: float = Field(0.0, ge=0)
     train_s_per_token: float = Field(0.0, ge=0, le=10)
+    env_step_s: float = Field(
+        0.0, ge=0, le=600, description="median seconds of one environment step (tool, test)"
+    )
+    env_step_sigma: float = Field(0.0, ge=0, le=3, description="log-normal tail of env steps")
+    length_sigma: float = Field(
+        0.0, ge=0, le=3, description="log-normal spread of sub-tasks per group (rollout length)"
+    )
+    length_growth: float = Field(
+        1.0, gt=0, le=16, description="rollout length at the run's end / at its start"
+    )
 
 
 class SchedulerConfig(BaseModel):
@@ -52,9 +69,6 @@ class SchedulerConfig(BaseModel):
     )
     groups_per_cell: int = Field(
         2, ge=1, le=64, description="groups a rollout cell serves at once (its session cap)"
-    )
-    max_lag: int = Field(
-        1, ge=0, le=16, description="policy versions a trained token may lag (every mode)"
     )
     core: int = Field(1, ge=1, description="rollout cells elastic never takes (core retention)")
     train_core: int = Field(1, ge=0, description="train cells elastic keeps")
@@ -109,8 +123,14 @@ def cell_problems(cfg: SchedulerConfig, rollout_cells: int, train_cells: int) ->
     return out
 
 
-def build_policy(cfg: SchedulerConfig, *, n_cells: int, rollout_cells: int, batch: int):
-    """The policy object of ``cfg.mode`` — the same classes the simulator drives."""
+def build_policy(
+    cfg: SchedulerConfig, *, n_cells: int, rollout_cells: int, batch: int, max_lag: int
+):
+    """The policy object of ``cfg.mode`` — the same classes the simulator drives.
+
+    ``max_lag`` is the run's one lag bound (``train.max_staleness``): policies schedule for
+    it and the trainer enforces it.
+    """
     from tasks.sched.modes import Async, Colocate, Elastic
     from tasks.sched.waterlevel import Marks
 
@@ -127,5 +147,23 @@ def build_policy(cfg: SchedulerConfig, *, n_cells: int, rollout_cells: int, batc
         move_step=cfg.move_step,
         min_train=cfg.train_core,
         min_dwell_s=cfg.min_dwell_s,
-        refresh_lag=max(1, cfg.max_lag),
+        refresh_lag=max(1, max_lag),
     )
+
+
+def group_shape(
+    pacing: PacingConfig, subtasks: int, index: int, total: int, seed: int
+) -> tuple[int, float, float]:
+    """Sub-tasks, env step median and spread of rollout group ``index`` of ~``total``.
+
+    Deterministic in (seed, index): every mode of a comparison gets the same workload.
+    """
+    import random
+
+    rng = random.Random(seed * 1_000_003 + index)
+    progress = min(1.0, index / max(1, total - 1))
+    scale = (1.0 + (pacing.length_growth - 1.0) * progress) * math.exp(
+        pacing.length_sigma * rng.gauss(0.0, 1.0)
+    )
+    n = max(1, min(32, round(subtasks * scale)))
+    return n, pacing.env_step_s, pacing.env_step_sigma

@@ -63,6 +63,28 @@ class Rendezvous:
     world: int
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One data-parallel optimizer step, as the coordinator planned it (plain data).
+
+    ``members``: cell ids in rank order; ``segments``: the samples segments of the groups
+    it trains (``groups``: their rollout numbers); ``version``: the weights it starts from.
+    """
+
+    step: int
+    version: int
+    generation: int
+    host: str
+    port: int
+    members: tuple[str, ...]
+    groups: tuple[int, ...]
+    segments: tuple[str, ...]
+    shuffle_seed: int = 0
+
+    def rendezvous(self, rank: int) -> Rendezvous:
+        return Rendezvous(self.host, self.port, self.generation, rank, len(self.members))
+
+
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
     """A TCPStore server for every generation of a run; returns ``(store, port)``.
 

@@ -3,7 +3,8 @@
     gyre run [--config FILE] [--preset tiny|demo] [--store URL] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
-    gyre session new [--url URL] [--admin-token TOKEN]
+    gyre session new [--url URL] [--admin-token TOKEN] [--port N]
+    gyre export RUN_ID [--store URL] --out FILE [--format parquet]
 
 Heavy imports (prefect, torch) happen inside the sub-commands, after the
 environment below is set, so ``gyre sql`` stays fast.
@@ -98,6 +99,12 @@ def cmd_session(args: argparse.Namespace) -> int:
     return main_session(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from flows.export import main_export
+
+    return main_export(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flows.config import PRESETS  # pure and light: pydantic + the section models
 
@@ -127,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
         "continue the same run: its log is replayed and its session keys stay valid)",
     )
     s.set_defaults(fn=cmd_serve)
+
+    e = sub.add_parser("export", help="a run's trajectories as a flat RL dataset (Parquet)")
+    e.add_argument("run_id")
+    e.add_argument("--store", default=DEFAULT_STORE)
+    e.add_argument("--out", required=True, help="output file, e.g. run.parquet")
+    e.add_argument("--format", default="parquet", choices=["parquet"])
+    e.add_argument(
+        "--advantage",
+        default="grpo",
+        choices=["grpo", "per_subtask", "reward"],
+        help="how each branch's advantage is computed (as train.advantage)",
+    )
+    e.set_defaults(fn=cmd_export)
 
     n = sub.add_parser("session", help="sessions of a running `gyre serve`")
     n.add_argument("action", choices=["new"])

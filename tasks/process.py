@@ -179,39 +179,3 @@ def process_group(
         out.reward_mean,
     )
     return out
-
-
-@task(name="process-step", task_run_name="process-step-{step}")
-def process_step(
-    store: Store,
-    run_id: str,
-    step: int,
-    sessions: list[SessionHandle],
-    current_version: int,
-    cfg: TrainConfig,
-    since_ns: int | None = None,
-) -> ProcessedStep:
-    """Trees, scores and samples of one step's sessions."""
-    out = process_sessions(
-        store,
-        run_id,
-        step,
-        sessions,
-        current_version=current_version,
-        since_ns=since_ns,
-        reward_aggregation=cfg.reward_aggregation,
-        advantage=cfg.advantage,
-        max_staleness=cfg.max_staleness,
-        stale_policy=cfg.stale_policy,
-    )
-    get_run_logger().info(
-        "step %d: %d calls -> %d nodes, %d samples; unique/flat tokens %d/%d; reward %.3f",
-        step,
-        out.n_calls,
-        out.n_nodes,
-        out.n_samples,
-        out.tokens_unique,
-        out.tokens_flat,
-        out.reward_mean,
-    )
-    return out

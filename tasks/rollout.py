@@ -166,9 +166,10 @@ def roll_out_group(
         t.start()
     watcher = None
     if stop_event:
-        from distributed import Event
+        from distributed import Event, get_client
 
-        ev = Event(stop_event)  # made here, on the task's thread, where the worker client is
+        # the worker's client, taken on the task's thread (another thread cannot find it)
+        ev = Event(stop_event, client=get_client())
         watcher = threading.Thread(target=_watch_stop, args=(ev, stop, done), daemon=True)
         watcher.start()
     for t in threads:  # run_session bounds itself (cfg.timeout_s); the join adds a margin

@@ -243,13 +243,15 @@ def member_step(
             holder.dp = None
         holder.dp = dp.DPGroup(rv, backend=backend, timeout_s=timeout_s)
     group = holder.dp
+    run = (store.url, run_id)
+    mine = holder.trainer if getattr(holder, "trainer_run", None) == run else None
     trainer, how = dp.sync_state(
         group,
-        holder.trainer,
+        mine,
         plan.version,
         lambda: restore_trainer(store, run_id, plan.version, cfg),
     )
-    holder.trainer = trainer
+    holder.trainer, holder.trainer_run = trainer, run
     samples = [s for seg in plan.segments for s in load_samples(store, seg)]
     samples.sort(key=lambda s: s.sample_id)  # the same order on every member
     random.Random(plan.shuffle_seed).shuffle(samples)

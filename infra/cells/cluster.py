@@ -44,6 +44,7 @@ class CellPlugin(WorkerPlugin):
         self.server: Any = None
         self.trainer: Any = None
         self.trainer_key: tuple | None = None
+        self.trainer_run: tuple | None = None  # (store, run id) the replica belongs to
         self.dp: Any = None  # this cell's DPGroup while it trains (tasks/train/dp.py)
         self.lock: threading.RLock | None = None  # made in setup: plugins are pickled
 
@@ -167,7 +168,7 @@ def start_cells(
             threads_per_worker=threads_per_cell + harness_slots,
             processes=True,
             memory_limit=memory_limit,
-            dashboard_address=None,
+            dashboard_address=":0",  # a free port: several runs may share a host
             host="127.0.0.1",
             worker_class="distributed.Nanny",
             env=worker_env,

@@ -167,6 +167,7 @@ class Executor:
         self.next_index = 0
         self.generation = -1
         self.members: tuple[str, ...] = ()
+        self.dp_left = False  # a member left the DP group since the last step
         self.step_jobs: list[Job] = []
         self.step_plan: StepPlan | None = None
         self.step_cells: tuple[int, ...] = ()
@@ -303,6 +304,9 @@ class Executor:
             _, i, v = item
             return [WeightsLoaded(i, v)]
         if kind == "member":
+            for j in self.step_jobs:
+                if j.done():
+                    j.result()  # a failed member stops the run now, not at the DP timeout
             if self.step_jobs and all(j.done() for j in self.step_jobs):
                 return self._finish_step()
             return []
@@ -361,6 +365,7 @@ class Executor:
         addr = self.addrs[i]
         self.cells.set_role(addr, "loading")
         self.cells.run_on(addr, _leave_dp)
+        self.dp_left = True
         self._serve(i)
         self.cells.set_role(addr, "rollout")
         self.record(i, "role", "rollout", reason, f"serving v{self.engine_version[i]}")
@@ -382,7 +387,7 @@ class Executor:
                 decode_step_s=e.decode_step_s,
                 prefill_tokens_per_s=e.prefill_tokens_per_s,
             )
-            self.engine_version[i] = 0
+            self.engine_version[i] = -1  # a parked engine may hold another run's weights
         for _ in range(3):  # a step may publish while we load: the cell joins with the newest
             v = self.version
             if self.engine_version.get(i) == v:
@@ -428,9 +433,11 @@ class Executor:
                 f"step needs {d.samples} finished groups, the buffer holds {len(self.buffer)}"
             )
         members = tuple(self.cell_id(i) for i in d.cells)
-        if members != self.members:
+        if members != self.members or self.dp_left:
+            # a new generation whenever the group changed: members joined, or some left
+            # (a cell that goes to rollout leaves its process group) even if they are back
             self.generation += 1
-            self.members = members
+            self.members, self.dp_left = members, False
         plan = StepPlan(
             step=self.stats.steps,
             version=self.version,

@@ -14,13 +14,23 @@ once, a ``Move`` of a rollout cell re-assigns (reserves) its sessions to the
 cells named in ``reroute`` at once, a ``StartStep`` takes its samples off the
 water level at once. Completion events only close what a decision opened.
 
+Rollouts are numbered in start order (``StartRollouts(cell, n)`` starts the
+next ``n`` numbers) and each carries a *base version*: the oldest policy
+version among its tokens (the version of the cell it started on, or the one
+the executor reports when it finishes). A step starting from weights ``w``
+trains a rollout of base ``u`` at policy lag ``w - u``; the coordinator keeps,
+per base version, how many rollouts are in flight and finished-untrained
+(``SchedState.versions``), which is all a policy needs to bound the lag, and it
+names the rollouts each step trains (``StartStep.rollouts``).
+
 Pure module: no prefect, no distributed, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 Role = Literal["rollout", "train", "draining", "loading"]
@@ -46,6 +56,20 @@ class CellView:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionCount:
+    """Rollouts of one base version not yet trained.
+
+    ``oldest_start``: start time of the oldest one still in flight (``inf``
+    when none is): it cannot run past ``oldest_start + timeout`` plus pauses.
+    """
+
+    version: int
+    in_flight: int
+    finished: int
+    oldest_start: float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
 class SchedState:
     """Snapshot the policies decide on.
 
@@ -55,6 +79,9 @@ class SchedState:
     ``trained`` count rollouts; ``version`` is the newest policy version.
     ``finish_rate``: rollouts finishing per second, smoothed over
     ``Coordinator.rate_tau_s`` — what the elastic policy sizes training by.
+    ``versions``: untrained rollouts per base version, oldest first (see
+    :class:`VersionCount`). ``published_at``: when ``version`` was published
+    (the end of the last step; 0 for version 0).
     """
 
     now: float
@@ -68,6 +95,8 @@ class SchedState:
     version: int
     step_running: bool
     finish_rate: float = 0.0
+    versions: tuple[VersionCount, ...] = ()
+    published_at: float = 0.0
 
     def count(self, role: Role) -> int:
         return sum(1 for c in self.cells if c.role == role)
@@ -113,13 +142,18 @@ class StartStep:
     """One optimizer step over ``cells`` (the DP members) on ``samples`` samples.
 
     ``order``: ``"index"`` trains the next rollouts by start index (a batch
-    whose every member finished), ``"finish"`` the oldest finished ones
-    (streaming).
+    whose every member finished), ``"finish"`` the earliest finished ones
+    (streaming), ``"oldest"`` the finished ones of the oldest base version
+    first, by finish time within a version (streaming under a lag bound).
+    ``rollouts``: left empty by policies; the coordinator fills in the rollout
+    numbers the step trains when it books the step, so the executor trains
+    exactly those.
     """
 
     cells: tuple[int, ...]
     samples: int
-    order: Literal["index", "finish"] = "finish"
+    order: Literal["index", "finish", "oldest"] = "finish"
+    rollouts: tuple[int, ...] = ()
 
 
 Decision = StartRollouts | Move | LoadWeights | StartStep
@@ -137,10 +171,16 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class RolloutFinished:
-    """Rollout number ``index`` ended (done or timed out; either way scored)."""
+    """Rollout number ``index`` ended (done or timed out; either way scored).
+
+    ``version``: the oldest policy version among its tokens, when the executor
+    knows it (a session moved to, or paused on, a cell with older weights);
+    ``None`` keeps the version the coordinator booked at its start.
+    """
 
     cell: int
     index: int
+    version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +232,9 @@ class Coordinator:
     """Holds the scheduler's state; changes only through :meth:`handle`.
 
     ``handle(Tick)`` returns the policy's decisions (already booked in the
-    state); other events only update the state and return ``[]``, so an
-    executor may feed many events and then one tick.
+    state; a ``StartStep`` comes back with its ``rollouts`` filled in); other
+    events only update the state and return ``[]``, so an executor may feed
+    many events and then one tick.
     """
 
     policy: Policy
@@ -208,6 +249,7 @@ class Coordinator:
     step_running: bool = False
     finish_rate: float = 0.0
     rate_tau_s: float = 1800.0
+    published_at: float = 0.0
     _finished_since_tick: int = 0
     _cells: list[_Cell] = field(default_factory=list)
     _finished: set[int] = field(default_factory=set)
@@ -216,6 +258,18 @@ class Coordinator:
     # tick over 1,000 cells costs O(changed), not O(n) object constructions
     _views: list[CellView] = field(default_factory=list)
     _dirty: set[int] = field(default_factory=set)
+    # per rollout: base version and start time while in flight; base version
+    # while finished and untrained
+    _flying: dict[int, tuple[int, float]] = field(default_factory=dict)
+    _untrained: dict[int, int] = field(default_factory=dict)
+    # per base version: in-flight rollouts in start order and finished ones in
+    # finish order (both with lazy deletion), and the counts
+    _fly_q: dict[int, deque[int]] = field(default_factory=dict)
+    _fin_q: dict[int, deque[int]] = field(default_factory=dict)
+    _n_fly: dict[int, int] = field(default_factory=dict)
+    _n_fin: dict[int, int] = field(default_factory=dict)
+    _finish_order: deque[int] = field(default_factory=deque)
+    _next_index: int = 0
 
     def __post_init__(self) -> None:
         if self.n_cells < 1 or self.cap < 1:
@@ -228,6 +282,21 @@ class Coordinator:
     def _view(self, i: int) -> CellView:
         c = self._cells[i]
         return CellView(i, c.role, c.busy, c.sessions, c.weight_version, c.since, c.target)
+
+    def _versions(self) -> tuple[VersionCount, ...]:
+        out = []
+        for v in sorted(set(self._n_fly) | set(self._n_fin)):
+            nf, nd = self._n_fly.get(v, 0), self._n_fin.get(v, 0)
+            if nf == 0 and nd == 0:
+                continue
+            oldest = math.inf
+            if nf:
+                q = self._fly_q[v]
+                while q[0] not in self._flying:
+                    q.popleft()
+                oldest = self._flying[q[0]][1]
+            out.append(VersionCount(v, nf, nd, oldest))
+        return tuple(out)
 
     def state(self) -> SchedState:
         for i in self._dirty:
@@ -245,6 +314,8 @@ class Coordinator:
             version=self.version,
             step_running=self.step_running,
             finish_rate=self.finish_rate,
+            versions=self._versions(),
+            published_at=self.published_at,
         )
 
     def cell(self, i: int) -> CellView:
@@ -259,18 +330,24 @@ class Coordinator:
                 self.finish_rate += a * (self._finished_since_tick / dt - self.finish_rate)
                 self._finished_since_tick = 0
             self.now = max(self.now, event.now)
-            decisions = self.policy.recommendations(self.state())
-            for d in decisions:
-                self._book(d)
-            return decisions
+            return [self._book(d) for d in self.policy.recommendations(self.state())]
         if isinstance(event, RolloutFinished):
             self._dirty.add(event.cell)
             c = self._cells[event.cell]
             assert c.sessions > 0, f"cell {event.cell} has no session to finish"
+            assert event.index in self._flying, f"rollout {event.index} is not in flight"
             c.sessions -= 1
             self.in_flight -= 1
             self.water_level += 1
             self._finished_since_tick += 1
+            base, _ = self._flying.pop(event.index)
+            self._n_fly[base] -= 1
+            if event.version is not None:
+                base = min(base, event.version)
+            self._untrained[event.index] = base
+            self._fin_q.setdefault(base, deque()).append(event.index)
+            self._n_fin[base] = self._n_fin.get(base, 0) + 1
+            self._finish_order.append(event.index)
             self._finished.add(event.index)
             while self.finished_prefix in self._finished:
                 self._finished.discard(self.finished_prefix)
@@ -291,6 +368,7 @@ class Coordinator:
         elif isinstance(event, StepFinished):
             self.step_running = False
             self.version += 1
+            self.published_at = self.now
             self._dirty.update(event.cells)
             for i in event.cells:
                 self._cells[i].busy = False
@@ -299,7 +377,7 @@ class Coordinator:
             raise TypeError(f"unknown event {event!r}")
         return []
 
-    def _book(self, d: Decision) -> None:
+    def _book(self, d: Decision) -> Decision:
         if isinstance(d, StartRollouts):
             self._dirty.add(d.cell)
             c = self._cells[d.cell]
@@ -308,6 +386,13 @@ class Coordinator:
             c.sessions += d.n
             self.in_flight += d.n
             self.started += d.n
+            v = c.weight_version
+            q = self._fly_q.setdefault(v, deque())
+            for i in range(self._next_index, self._next_index + d.n):
+                self._flying[i] = (v, self.now)
+                q.append(i)
+            self._next_index += d.n
+            self._n_fly[v] = self._n_fly.get(v, 0) + d.n
         elif isinstance(d, Move):
             self._dirty.add(d.cell)
             self._dirty.update(t for t, _ in d.reroute)
@@ -319,6 +404,7 @@ class Coordinator:
                 tc = self._cells[t]
                 assert tc.role == "rollout" and t != d.cell
                 tc.sessions += n
+                assert tc.sessions <= self.cap, f"reroute over cell {t}'s concurrency cap"
             c.sessions = 0
             c.role = "draining" if c.role == "rollout" else "loading"
             c.target = d.to
@@ -339,3 +425,38 @@ class Coordinator:
             self.step_running = True
             self.water_level -= d.samples
             self.trained += d.samples
+            d = replace(d, rollouts=self._take(d.samples, d.order))
+        return d
+
+    def _take(self, n: int, order: str) -> tuple[int, ...]:
+        """The ``n`` finished, untrained rollouts a step of ``order`` trains."""
+        out: list[int] = []
+        if order == "index":
+            i = self.trained - n  # the step's first index (trained already counts it)
+            out = list(range(i, i + n))
+            missing = [j for j in out if j not in self._untrained]
+            assert not missing, f"index-order step needs unfinished rollouts {missing[:3]}"
+        elif order == "finish":
+            q = self._finish_order
+            while len(out) < n:
+                j = q.popleft()
+                if j in self._untrained:
+                    out.append(j)
+        else:  # oldest base version first, finish order within one
+            for v in sorted(self._fin_q):
+                q = self._fin_q[v]
+                while q and len(out) < n:
+                    j = q.popleft()
+                    if j in self._untrained:
+                        out.append(j)
+                if len(out) == n:
+                    break
+        for j in out:
+            v = self._untrained.pop(j)
+            self._n_fin[v] -= 1
+        for v in [v for v, k in self._n_fin.items() if k == 0 and self._n_fly.get(v, 0) == 0]:
+            self._n_fin.pop(v)
+            self._n_fly.pop(v, None)
+            self._fin_q.pop(v, None)
+            self._fly_q.pop(v, None)
+        return tuple(out)

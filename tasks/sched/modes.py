@@ -1,14 +1,24 @@
-"""The three scheduling modes (DESIGN.md §6), same verbs, no base class.
+"""The scheduling modes (DESIGN.md §6), same verbs, no base class.
 
 Each is a small frozen dataclass with ``initial_roles(n)`` and a pure
-``recommendations(state) -> list[Decision]`` (see ``tasks/sched_policy.py``).
+``recommendations(state) -> list[Decision]`` (see ``tasks/sched/coordinator.py``).
 
-- :class:`Colocate`: all cells roll out one batch, then all train on it; repeat.
-- :class:`Async`: a fixed split (``rollout_cells`` roll out, the rest train);
-  rollouts of batch ``b`` start only with weights ``>= b - 1`` and step ``b``
-  trains exactly batch ``b``, so staleness is <= 1.
-- :class:`Elastic`: streaming training plus waterlevel control with hysteresis,
-  boundary dispatch, core retention and dynamic-membership DP.
+- :class:`Colocate`: all cells roll out one batch, then train on it; repeat
+  (lag 0).
+- :class:`Async`: a fixed split; step ``b`` trains exactly rollouts
+  ``b*batch .. (b+1)*batch - 1`` once all have finished; rollouts start at most
+  ``max_lag`` versions ahead (the one-step-off pipeline at ``max_lag=1``).
+- :class:`AsyncStream`: the same fixed split with streaming steps: a step takes
+  the oldest finished samples as soon as a batch is there and the lag gate is
+  open (``tasks/sched/lag.py``); the strongest fixed-split baseline.
+- :class:`Elastic`: streaming steps under the same lag bound, plus roles that
+  follow the work: waterlevel control on the time to the next step, boundary
+  dispatch, core retention, dynamic-membership DP.
+
+Every mode refreshes a rollout cell's weights only when it is about to start
+new rollouts there (empty cells first), so no mode pauses running sessions for
+weights it does not need, and steps use the DP size that trains fastest
+(:func:`~tasks.sched.waterlevel.best_members`) among the cells it has.
 
 Pure module: no prefect, no distributed, no I/O.
 """
@@ -28,16 +38,22 @@ from tasks.sched.coordinator import (
     StartRollouts,
     StartStep,
 )
-from tasks.sched.waterlevel import Marks, best_members, members_to_keep_up, waterlevel_signal
+from tasks.sched.lag import admissible, step_eta, step_ready
+from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_signal
 
 
-def _fill(cells: list[CellView], cap: int, budget: int) -> list[Decision]:
-    """StartRollouts on free slots, in cell order, at most ``budget`` sessions."""
+def _fill(
+    cells: list[CellView], cap: int, budget: int, reserved: dict[int, int] | None = None
+) -> list[Decision]:
+    """StartRollouts on free slots, in the given cell order, at most ``budget``.
+
+    ``reserved``: slots already promised this tick (sessions rerouted there).
+    """
     out: list[Decision] = []
     for c in cells:
         if budget <= 0:
             break
-        free = cap - c.sessions
+        free = cap - c.sessions - (reserved.get(c.id, 0) if reserved else 0)
         if free > 0:
             n = min(free, budget)
             out.append(StartRollouts(c.id, n))
@@ -45,11 +61,47 @@ def _fill(cells: list[CellView], cap: int, budget: int) -> list[Decision]:
     return out
 
 
+def _refresh(stale: list[CellView], cap: int, short: int, version: int) -> list[Decision]:
+    """Load ``version`` into stale cells until their free slots cover ``short``.
+
+    Empty cells first (nothing to pause), then those with the fewest sessions.
+    """
+    out: list[Decision] = []
+    for c in sorted(stale, key=lambda c: (c.sessions, c.id)):
+        if short <= 0:
+            break
+        free = cap - c.sessions
+        if free > 0:
+            out.append(LoadWeights(c.id, version))
+            short -= free
+    return out
+
+
+def _rollout_side(s: SchedState, allowed: int, skip: frozenset[int] = frozenset()):
+    """Fresh cells to start on, refreshes needed, and the starts that still lack a slot."""
+    fresh, stale, soon = [], [], 0
+    for c in s.cells:
+        if c.role != "rollout" or c.id in skip:
+            continue
+        if c.busy:  # loading weights: its free slots come back fresh
+            soon += s.cap - c.sessions
+        elif c.weight_version >= s.version:
+            fresh.append(c)
+        else:
+            stale.append(c)
+    free = sum(s.cap - c.sessions for c in fresh) + soon
+    loads = _refresh(stale, s.cap, allowed - free, s.version)
+    short = allowed - free - sum(s.cap - s.cells[d.cell].sessions for d in loads)
+    return fresh, loads, max(0, short)
+
+
 @dataclass(frozen=True)
 class Colocate:
-    """Rollout and training take turns on all cells (the colocate baseline)."""
+    """Rollout and training take turns on all cells (the colocate baseline, lag 0)."""
 
     batch: int
+    train_s_per_sample: float = 60.0
+    dp_sync_s: float = 2.0
     name: str = "colocate"
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
@@ -58,26 +110,33 @@ class Colocate:
     def recommendations(self, s: SchedState) -> list[Decision]:
         if any(c.role in ("draining", "loading") for c in s.cells) or s.step_running:
             return []
+        members = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(s.cells))
         batch_done = s.finished_prefix >= s.trained + self.batch and s.in_flight == 0
         if batch_done:
-            roll = [c for c in s.cells if c.role == "rollout"]
-            if roll:  # the last rollout of the batch ended: everybody to training
-                return [Move(c.id, "train") for c in roll]
-            return [StartStep(tuple(c.id for c in s.cells), self.batch, order="index")]
+            train = [c for c in s.cells if c.role == "train"]
+            if len(train) < members:  # the last rollout of the batch ended: to training
+                return [Move(c.id, "train") for c in s.cells[: members - len(train)]]
+            return [StartStep(tuple(c.id for c in train), self.batch, order="index")]
         if s.in_flight == 0 and s.started == s.trained:
             train = [c for c in s.cells if c.role == "train"]
-            if train:  # the step is done: everybody back to rollout with the new weights
+            if train:  # the step is done: back to rollout with the new weights
                 return [Move(c.id, "rollout") for c in train]
-        queued = s.trained + self.batch - s.started
-        return _fill([c for c in s.cells if c.role == "rollout"], s.cap, queued)
+        queued = max(0, s.trained + self.batch - s.started)
+        if queued == 0:
+            return []
+        fresh, loads, _ = _rollout_side(s, queued)
+        return loads + _fill(fresh, s.cap, queued)
 
 
 @dataclass(frozen=True)
 class Async:
-    """Fixed split, one-step-off-policy pipeline (staleness <= 1)."""
+    """Fixed split, batch pipeline: step ``b`` trains batch ``b`` (lag <= ``max_lag``)."""
 
     batch: int
     rollout_cells: int
+    max_lag: int = 1
+    train_s_per_sample: float = 60.0
+    dp_sync_s: float = 2.0
     name: str = "async"
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
@@ -89,146 +148,279 @@ class Async:
 
     def recommendations(self, s: SchedState) -> list[Decision]:
         out: list[Decision] = []
-        train = [c for c in s.cells if c.role == "train"]
-        if (
-            not s.step_running
-            and s.finished_prefix >= s.trained + self.batch
-            and all(not c.busy for c in train)
-        ):
-            out.append(StartStep(tuple(c.id for c in train), self.batch, order="index"))
-        ready: list[CellView] = []
-        for c in s.cells:
-            if c.role != "rollout" or c.busy:
-                continue
-            if c.weight_version < s.version:
-                out.append(LoadWeights(c.id, s.version))
-            else:
-                ready.append(c)
-        # rollout number i belongs to batch i // batch and may start only with
-        # weights >= batch - 1; ready cells hold s.version, so batches up to
-        # s.version + 1 may start: at most one version ahead.
-        allowed = (s.version + 2) * self.batch - s.started
-        return out + _fill(ready, s.cap, allowed)
+        if not s.step_running and s.finished_prefix >= s.trained + self.batch:
+            train = [c for c in s.cells if c.role == "train"]
+            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="index"))
+        # rollout i belongs to batch i // batch and may start only with weights
+        # >= that batch - max_lag: (version + max_lag + 1) * batch in all
+        allowed = max(0, (s.version + self.max_lag + 1) * self.batch - s.started)
+        if allowed == 0:
+            return out
+        fresh, loads, _ = _rollout_side(s, allowed)
+        return out + loads + _fill(fresh, s.cap, allowed)
+
+
+@dataclass(frozen=True)
+class AsyncStream:
+    """Fixed split, streaming steps under the lag bound (oldest samples first)."""
+
+    batch: int
+    rollout_cells: int
+    max_lag: int = 1
+    train_s_per_sample: float = 60.0
+    dp_sync_s: float = 2.0
+    name: str = "async-stream"
+
+    def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
+        if not 1 <= self.rollout_cells < n_cells:
+            raise ValueError(
+                f"async-stream needs 1 <= rollout_cells < n_cells, "
+                f"got {self.rollout_cells} of {n_cells}"
+            )
+        return ("rollout",) * self.rollout_cells + ("train",) * (n_cells - self.rollout_cells)
+
+    def recommendations(self, s: SchedState) -> list[Decision]:
+        out: list[Decision] = []
+        if step_ready(s, self.batch, self.max_lag):
+            train = [c for c in s.cells if c.role == "train"]
+            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="oldest"))
+        allowed = admissible(s, self.batch, self.max_lag)
+        if allowed == 0:
+            return out
+        fresh, loads, _ = _rollout_side(s, allowed)
+        return out + loads + _fill(fresh, s.cap, allowed)
 
 
 @dataclass(frozen=True)
 class Elastic:
-    """Waterlevel-controlled elastic roles with streaming training.
+    """Streaming steps under a lag bound, with cells moving to where the work is.
 
-    - streaming training: a step starts whenever ``batch`` samples are buffered,
-      over the idle train cells (at most :func:`best_members` of them).
-    - waterlevel control: level (after the step just started) ``>= high`` moves
-      up to ``move_step`` rollout cells to training, ``< low`` with training idle
-      moves idle train cells back; in between nothing moves (hysteresis), and a
-      new batch of moves waits for the previous one to land and for each cell's
-      ``min_dwell_s`` in its role.
-    - backpressure: while the level is at or above ``high`` no new rollouts
-      start, which frees slots for the sessions of cells that leave.
+    - streaming training under the lag bound: a step takes the oldest finished
+      samples once a batch is there and the lag gate is open; rollouts start
+      only as admission allows (``tasks/sched/lag.py``).
+    - waterlevel control on the time to the next step (``eta``, from the lag
+      gate's oldest rollout and the water): ``eta <= marks.low`` staffs
+      training up to the fastest DP size; ``eta >= marks.high`` lends idle
+      train cells to rollout while admitted rollouts lack a slot; in between
+      nothing moves (hysteresis), and a cell keeps a role ``min_dwell_s``.
+    - a step starts with the idle train cells at once unless waiting for the
+      cells on their way (``marks.low``) makes it finish sooner.
     - boundary dispatch: a rollout cell leaves only if its sessions fit in free
-      slots of the core (they are rerouted at their next call boundary); a
-      train cell leaves only when not in a step.
-    - core retention: cells ``0 .. core-1`` always roll out; they refresh weights
-      lazily (``refresh_lag`` versions behind), while cells joining rollout get
-      the newest weights as part of the move.
+      slots of cells that stay (each moves at its next call boundary, to a cell
+      holding weights at least as new); a train cell leaves between steps.
+    - core retention: cells ``0 .. core-1`` always roll out.
+    - allocation in blocks of ``block`` cells (1 = per cell; larger is the
+      "no per-cell allocation" ablation).
     """
 
     batch: int
-    marks: Marks
     core: int
     train_s_per_sample: float
     dp_sync_s: float
-    move_step: int = 1
-    min_train: int = 1
+    timeout_s: float
+    marks: Marks
+    max_lag: int = 1
     min_dwell_s: float = 300.0
-    refresh_lag: int = 2
+    block: int = 1
+    streaming: bool = True
     name: str = "elastic"
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
         if not 1 <= self.core < n_cells:
             raise ValueError(f"elastic needs 1 <= core < n_cells, got {self.core} of {n_cells}")
-        n_train = max(self.min_train, 1)
-        return ("rollout",) * (n_cells - n_train) + ("train",) * n_train
+        return ("rollout",) * n_cells
+
+    def _blocks(self, cells: list[CellView]) -> list[list[CellView]]:
+        """Group non-core cells into allocation blocks (by id); keep whole ones only."""
+        groups: dict[int, list[CellView]] = {}
+        for c in cells:
+            groups.setdefault((c.id - self.core) // self.block, []).append(c)
+        return [g for g in groups.values() if len(g) == self.block]
 
     def recommendations(self, s: SchedState) -> list[Decision]:
         out: list[Decision] = []
-        level = s.water_level
-        stepping = s.step_running
-        idle_train = [c for c in s.cells if c.role == "train" and not c.busy]
-        n_train = sum(1 for c in s.cells if c.role == "train" or c.target == "train")
+        b, lag, cap = self.batch, self.max_lag, s.cap
         t, sync = self.train_s_per_sample, self.dp_sync_s
-        m_best = best_members(self.batch, t, sync, len(s.cells) - self.core)
-        want = max(
-            self.min_train,
-            members_to_keep_up(self.batch, t, sync, s.finish_rate, len(s.cells) - self.core),
-        )
-        # a step's members are fixed at its start: wait until enough cells have
-        # joined to keep up with the rollouts (a 1-member step on a 1,000-cell
-        # batch would hold training for days) -- unless no more can ever join
-        can_grow = (
-            self.move_step > 0
-            and n_train < m_best
-            and any(c.role == "rollout" for c in s.cells[self.core :])
-        )
-        enough = len(idle_train) >= want or not can_grow
-        if not stepping and level >= self.batch and idle_train and enough:
-            members = tuple(c.id for c in idle_train[:m_best])
-            out.append(StartStep(members, self.batch, order="finish"))
-            level -= self.batch
-            stepping = True
-            idle_train = idle_train[len(members) :]
+        n = len(s.cells)
+        m_best = best_members(b, t, sync, n - self.core)
+        stepping = s.step_running
+        if self.streaming:
+            ready = step_ready(s, b, lag)
+        else:  # ablation: wait for the next batch by index, like Async
+            ready = not stepping and s.finished_prefix >= s.trained + b
+        allowed = admissible(s, b, lag)
+        if not ready and allowed == 0 and self._signal(s, stepping) <= 0:
+            return out  # nothing to start, no step near: nothing to decide (most ticks)
 
-        sig = waterlevel_signal(level, self.marks)
-        moving = any(c.role in ("draining", "loading") for c in s.cells)
-        leaving: set[int] = set()
-        # grow: above the high mark, or a step is due and training is too small
-        # to keep up; shrink: below the low mark, training idle and oversized.
-        grow = sig > 0 or (level >= self.batch and n_train < want)
-        if not moving and grow and n_train < m_best:
-            n_go = min(self.move_step, m_best - n_train)
-            free = {
-                c.id: s.cap - c.sessions
-                for c in s.cells[: self.core]
-                if c.role == "rollout" and not c.busy and c.sessions < s.cap
-            }
-            cands = sorted(
-                (
-                    c
-                    for c in s.cells[self.core :]
-                    if c.role == "rollout" and not c.busy and s.now - c.since >= self.min_dwell_s
-                ),
-                key=lambda c: (c.sessions, c.id),
-            )
-            for c in cands:
-                if len(leaving) >= n_go or c.sessions > sum(free.values()):
-                    break  # sorted by sessions: no later candidate fits either
-                reroute, need = [], c.sessions
-                for tgt in list(free):
-                    if need == 0:
-                        break
-                    k = min(need, free[tgt])
-                    reroute.append((tgt, k))
-                    need -= k
-                    free[tgt] -= k
-                    if free[tgt] == 0:
-                        del free[tgt]
-                out.append(Move(c.id, "train", reroute=tuple(reroute)))
-                leaving.add(c.id)
-        elif not moving and sig < 0 and not stepping and n_train > want:
-            spare = [c for c in idle_train if s.now - c.since >= self.min_dwell_s]
-            n_go = min(self.move_step, len(spare), n_train - want)
-            for c in spare[: max(0, n_go)]:
-                out.append(Move(c.id, "rollout"))
-
-        ready: list[CellView] = []
+        idle_train: list[CellView] = []
+        n_train = 0  # in training or on the way there
+        moving = False
         for c in s.cells:
-            if c.role != "rollout" or c.busy or c.id in leaving:
-                continue
-            if s.version - c.weight_version >= self.refresh_lag:
-                out.append(LoadWeights(c.id, s.version))
+            if c.role == "train" or c.target == "train":
+                n_train += 1
+                if c.role == "train" and not c.busy:
+                    idle_train.append(c)
+            if c.target is not None:
+                moving = True
+
+        # 1. the step: start with the idle train cells, unless waiting for the
+        # cells that can join within marks.low makes the step end sooner
+        leaving: set[int] = set()
+        reserved: dict[int, int] = {}
+        recruits: list[Decision] = []
+        if ready:
+            if n_train < m_best:
+                recruits = self._recruit(s, m_best - n_train, leaving, reserved)
+            m_now = min(len(idle_train), m_best)
+            m_soon = min(m_best, n_train + len(recruits))
+            if m_now and self._members(s, m_now, m_soon, m_best) == m_now:
+                recruits, leaving, reserved = [], set(), {}  # not worth the wait
+                order = "oldest" if self.streaming else "index"
+                out.append(StartStep(tuple(c.id for c in idle_train[:m_now]), b, order=order))
+                stepping = True
+                idle_train = idle_train[m_now:]
             else:
-                ready.append(c)
-        if level < self.marks.high and not grow:
-            out += _fill(ready, s.cap, len(ready) * s.cap)
+                out += recruits
+
+        # 2. waterlevel on the time until the next step can start: staff
+        # training when it is near, lend its idle cells to rollout when far
+        sig = self._signal(s, stepping)
+        if sig > 0 and n_train < m_best and not (ready or stepping):
+            out += self._recruit(s, m_best - n_train, leaving, reserved)
+        elif sig < 0 and idle_train and allowed > 0 and not moving:
+            _, _, short = _rollout_side(s, allowed)
+            spare = [c for c in idle_train if s.now - c.since >= self.min_dwell_s]
+            for g in self._blocks(spare):
+                if short <= 0:
+                    break
+                out += [Move(c.id, "rollout") for c in g]
+                short -= cap * len(g)
+
+        # 3. rollouts: refresh what starts need, start what admission allows;
+        # while training waits for cells, only the core takes new sessions
+        if allowed == 0:
+            return out
+        skip = set(leaving)
+        if (ready or sig > 0) and n_train + len(leaving) < m_best:
+            skip.update(range(self.core, n))
+        fresh, loads, _ = _rollout_side(s, allowed, frozenset(skip))
+        # core first, then fuller cells first: sessions pack, non-core cells empty out
+        fresh.sort(key=lambda c: (c.id >= self.core, -c.sessions, c.id))
+        return out + loads + _fill(fresh, cap, allowed, reserved)
+
+    def _signal(self, s: SchedState, stepping: bool) -> int:
+        """Waterlevel signal on the time until the next step can start.
+
+        ``stepping``: a step runs or was booked this tick (its samples are
+        gone, the next step starts from the version after it).
+        """
+        b = self.batch
+        next_version = s.version + 1 if stepping else s.version
+        if self.streaming:
+            taken = b if stepping and not s.step_running else 0  # booked this tick
+            eta = step_eta(s, b, self.max_lag, self.timeout_s, next_version, taken)
+        else:
+            due = s.finished_prefix >= s.trained + (2 if stepping else 1) * b
+            eta = 0.0 if due else self.marks.high
+        return due_signal(eta, self.marks)
+
+    def _members(self, s: SchedState, m_now: int, m_soon: int, m_best: int) -> int:
+        """Members to start a ready step with: now, or after waiting for more.
+
+        Cells on their way arrive within ``marks.low``; beyond them, a cell
+        empties about every ``cap`` rollout finishes. Picks the member count
+        whose wait plus step time is least.
+        """
+        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
+        per_cell = s.cap / s.finish_rate if s.finish_rate > 0 else math.inf
+
+        def total(m: int) -> float:
+            if m <= m_now:
+                return dp_step_seconds(b, m, t, sync)
+            wait = self.marks.low + max(0, m - m_soon) * per_cell
+            return wait + dp_step_seconds(b, m, t, sync)
+
+        # wait + step time is convex in m: its minimum is near sqrt(b t / (sync + per_cell))
+        cands = {m_now, m_soon, m_best}
+        if per_cell < math.inf:
+            x = math.sqrt(b * t / (sync + per_cell))
+            cands.update({math.floor(x), math.ceil(x)})
+        cands = {m for m in cands if m_now <= m <= m_best and m >= 1}
+        return min(cands, key=lambda m: (total(m), m))
+
+    def _candidates(self, s: SchedState) -> list[list[CellView]]:
+        cells = [
+            c
+            for c in s.cells[self.core :]
+            if c.role == "rollout" and not c.busy and s.now - c.since >= self.min_dwell_s
+        ]
+        return sorted(self._blocks(cells), key=lambda g: (sum(c.sessions for c in g), g[0].id))
+
+    def _recruit(
+        self, s: SchedState, want: int, leaving: set[int], reserved: dict[int, int]
+    ) -> list[Decision]:
+        """Move up to ``want`` non-core rollout cells to training, emptiest first.
+
+        As many go as the cells that stay (core first) can take their sessions
+        in free slots; a session goes only to a cell holding weights at least
+        as new as its own, so no token gets older.
+        """
+        cands = self._candidates(s)
+        free_all = sum(s.cap - c.sessions for c in s.cells if c.role == "rollout")
+        # leavers are a prefix of the emptiest blocks: the most that fit
+        chosen: list[list[CellView]] = []
+        k = moved = 0
+        free_keep = free_all
+        for g in cands:
+            if k >= want:
+                break
+            sess = sum(c.sessions for c in g)
+            own = sum(s.cap - c.sessions for c in g)
+            if moved + sess > free_keep - own:
+                break
+            chosen.append(g)
+            k += len(g)
+            moved += sess
+            free_keep -= own
+        go = {c.id for g in chosen for c in g}
+        slots = [
+            [c.id, s.cap - c.sessions]
+            for c in s.cells
+            if c.role == "rollout" and c.sessions < s.cap and c.id not in go
+        ]
+        first = 0  # slots[:first] are full
+        out: list[Decision] = []
+        for g in chosen:
+            plan: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+            taken: list[tuple[int, int]] = []
+            for c in g:
+                reroute, need = [], c.sessions
+                j = first
+                while need and j < len(slots):
+                    tgt, free = slots[j]
+                    if free and s.cells[tgt].weight_version >= c.weight_version:
+                        k = min(need, free)
+                        reroute.append((tgt, k))
+                        taken.append((j, k))
+                        slots[j][1] -= k
+                        need -= k
+                    j += 1
+                if need:
+                    break
+                plan.append((c.id, tuple(reroute)))
+            if len(plan) < len(g):  # give the slots back; fuller cells do not fit either
+                for j, k in taken:
+                    slots[j][1] += k
+                break
+            while first < len(slots) and slots[first][1] == 0:
+                first += 1
+            out += [Move(cid, "train", reroute=r) for cid, r in plan]
+            leaving.update(cid for cid, _ in plan)
+            for _, r in plan:
+                for tgt, k in r:
+                    reserved[tgt] = reserved.get(tgt, 0) + k
         return out
 
 

@@ -2,28 +2,38 @@
 
 The executor side of policy-vs-mechanism: it owns the clock (a heap of
 events), the sessions and the costs, feeds events to a
-:class:`~tasks.sched.coordinator.Coordinator` and carries out the decisions it gets
-back. The same policy objects will drive real Dask cells.
+:class:`~tasks.sched.coordinator.Coordinator` and carries out the decisions it
+gets back. The same policy objects will drive real Dask cells.
 
-Workload model (all in :class:`Workload`):
+The workload (:class:`~tasks.sched.workload.Workload`): a run is ``steps``
+optimizer steps of ``batch`` samples; rollout ``i`` (in start order) generates
+for ``durations[i]`` seconds while it holds a slot on a rollout cell, the same
+in every mode; a cell serves at most ``cap`` sessions.
 
-- an unbounded stream of rollouts; rollout ``i`` runs ``durations[i]`` seconds
-  of wall time while it holds a slot on a rollout cell (log-normal: minutes to
-  hours), cut at ``timeout_s`` (partial scoring: a timed-out rollout still
-  yields its sample). Rollout ``i`` has the same duration in every mode.
-- a rollout cell serves at most ``cap`` sessions at once (engine concurrency).
-- a session makes a model call every ``call_s`` seconds; call ends are its
-  boundaries. A session on a draining cell moves at its next boundary and then
-  pauses ``migrate_s`` (KV move) or ``reprefill_s`` (no KV move).
-- loading weights into a rollout cell pauses its sessions ``weight_load_s``.
-- a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout).
+Mechanics, as in the real system:
+
+- a session makes a model call every ``call_s`` seconds of generation; call
+  ends are its boundaries. A session on a draining cell moves at its next
+  boundary and then pauses ``migrate_s`` (KV move) or ``reprefill_s``, plus
+  what is left of its new cell's weight load.
+- loading weights into a rollout cell pauses its sessions ``weight_load_s``;
+  after it they generate with the new version.
+- a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout) once
+  the cell has drained.
 - an optimizer step on ``b`` samples over ``m`` cells takes
   ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP).
 
-Metrics: samples trained per hour, cell-time split into busy / idle /
-switching (a rollout cell is busy in proportion to its occupied slots), mean
-and max staleness (train version minus the version a rollout started with, and
-minus the version of its last tokens), role switches, sessions broken.
+Policy lag is measured on tokens: a session's generation time is cut into
+segments by weight version (tokens are generated at a steady rate, so time
+weights tokens); a step from weights ``w`` trains a segment of version ``u``
+at lag ``w - u``. Reported: the token-weighted mean and the max over every
+trained token, in every mode.
+
+Metrics: whole-run rate (``steps * batch`` over the time to the last step's
+end) and steady rate (batch over the mean gap between step starts after the
+first quarter of the run), cell-time split into busy / idle / switching (a
+rollout cell is busy in proportion to its occupied slots), lag, role switches
+(per cell-day, and the most by one cell), sessions broken.
 Deterministic for a seed. Pure module: no prefect, no distributed, no I/O.
 """
 
@@ -31,10 +41,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from dataclasses import asdict, dataclass
-
-import numpy as np
 
 from tasks.sched.coordinator import (
     Coordinator,
@@ -51,48 +57,42 @@ from tasks.sched.coordinator import (
     WeightsLoaded,
 )
 from tasks.sched.waterlevel import dp_step_seconds
+from tasks.sched.workload import Durations, Workload
+
+__all__ = ["Simulator", "Workload", "simulate"]
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The simulated xLong workload and its costs (seconds)."""
+class _Sess:
+    """A live session: where it is, how far it got, the versions of its tokens."""
 
-    cells: int = 8
-    cap: int = 4
-    batch: int = 32
-    median_s: float = 1800.0
-    sigma: float = 1.0
-    timeout_s: float = 4 * 3600.0
-    call_s: float = 60.0
-    train_s_per_sample: float = 60.0
-    dp_sync_s: float = 2.0
-    weight_load_s: float = 30.0
-    switch_s: float = 60.0
-    migrate_s: float = 5.0
-    reprefill_s: float = 60.0
-    kv_move: bool = True
-    horizon_s: float = 48 * 3600.0
-    tick_s: float = 15.0
+    __slots__ = ("acc", "dur", "epoch", "gen", "idx", "logical", "phys", "run_from", "ver", "vmin")
 
+    def __init__(self, idx: int, cell: int, dur: float, now: float, ver: int) -> None:
+        self.idx = idx
+        self.phys = cell  # the cell it runs on
+        self.logical = cell  # the cell the coordinator books it on (its reroute target)
+        self.dur = dur  # generation seconds in all
+        self.gen = 0.0  # generation seconds before run_from
+        self.run_from = now  # when the current segment starts (after any pause)
+        self.ver = ver  # weight version of the current segment
+        self.acc = 0.0  # sum of version x seconds over closed segments
+        self.vmin = ver  # oldest version among its tokens
+        self.epoch = 0  # bumped on every pause: stale "done" events are dropped
 
-_CHUNK = 4096
+    def close(self, t: float) -> None:
+        """Close the running segment at ``t`` (no-op while paused)."""
+        seg = t - self.run_from
+        if seg > 0:
+            self.acc += self.ver * seg
+            self.gen += seg
+            self.vmin = min(self.vmin, self.ver)
+            self.run_from = t
 
+    def progress(self, t: float) -> float:
+        return self.gen + max(0.0, t - self.run_from)
 
-class _Durations:
-    """Rollout i's duration, the same sequence for every mode (one seeded stream)."""
-
-    def __init__(self, w: Workload, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-        self._mu = math.log(w.median_s)
-        self._sigma = w.sigma
-        self._timeout = w.timeout_s
-        self._vals: list[float] = []
-
-    def __getitem__(self, i: int) -> float:
-        while i >= len(self._vals):
-            draw = self._rng.lognormal(self._mu, self._sigma, _CHUNK)
-            self._vals.extend(np.minimum(draw, self._timeout).tolist())
-        return self._vals[i]
+    def end(self) -> float:
+        return self.run_from + max(0.0, self.dur - self.gen)
 
 
 # per-cell accounting categories
@@ -106,7 +106,7 @@ class Simulator:
         self.w = w
         self.policy = policy
         self.coord = Coordinator(policy, w.cells, w.cap)
-        self.dur = _Durations(w, seed)
+        self.dur = Durations(w, seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, str, tuple]] = []
         self._seq = 0
@@ -115,19 +115,22 @@ class Simulator:
         self.role = [c.role for c in self.coord.state().cells]
         self.loading = [False] * n
         self.load_until = [0.0] * n
+        self.load_to = [0] * n
         self.stepping = [False] * n
         self.phys = [0] * n  # sessions physically on the cell
         self.version_on = [0] * n  # weights loaded on the cell
+        self.switches_of = [0] * n
         self.acc = [0.0] * 5
         self.rate = [0.0] * 5
         for c in range(n):
             self._add(c, +1)
-        # sessions: index -> [phys cell, logical cell, end, start_version, epoch]
-        self.sess: dict[int, list] = {}
+        self.sess: dict[int, _Sess] = {}
         self.on_cell: list[set[int]] = [set() for _ in range(n)]
-        self.unfinished: dict[int, tuple[int, int]] = {}  # finished, untrained: idx -> (v0, v1)
-        self.finish_order: deque[int] = deque()
-        self.next_index_to_train = 0
+        # sessions rerouted to a cell and not there yet (some finish before they
+        # get there): a later reroute of that cell sends them on, as the gateway
+        # routes a session's next call to the cell it is assigned to now
+        self.inbound: list[set[int]] = [set() for _ in range(n)]
+        self.done_rec: dict[int, tuple[float, float, int]] = {}  # idx -> (dur, acc, vmin)
         self.stats = {
             "started": 0,
             "finished": 0,
@@ -139,9 +142,14 @@ class Simulator:
             "migrations": 0,
             "weight_loads": 0,
         }
-        self.stale_start: list[int] = []
-        self.stale_end: list[int] = []
-        self.last_t = 0.0
+        self.step_starts: list[float] = []
+        self.step_ends: list[float] = []
+        self.lag_tokens = 0.0  # token-seconds trained
+        self.lag_sum = 0.0  # lag x token-seconds
+        self.lag_max = 0
+        self.lags: list[int] = []  # per trained rollout: the lag of its oldest token
+        self.end_time = 0.0
+        self._tick_at: set[float] = set()
 
     # -- accounting
     def _cat(self, c: int) -> tuple[int, float]:
@@ -177,18 +185,26 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, payload))
 
+    def _tick_soon(self) -> None:
+        if self.now not in self._tick_at:
+            self._tick_at.add(self.now)
+            self._push(self.now, "tick", (False,))
+
     def run(self) -> dict[str, float]:
         w = self.w
-        self._push(0.0, "tick", ())
-        while self._heap:
+        limit = w.max_hours * 3600.0
+        self._push(0.0, "tick", (True,))
+        while self._heap and self.stats["steps"] < w.steps:
             t, _, kind, p = heapq.heappop(self._heap)
-            if t > w.horizon_s:
+            if t > limit:
                 break
             self._advance(t)
             if kind == "tick":
+                self._tick_at.discard(t)
                 for d in self.coord.handle(Tick(t)):
                     self._execute(d)
-                self._push(t + w.tick_s, "tick", ())
+                if p[0]:  # the periodic tick
+                    self._push(t + w.tick_s, "tick", (True,))
             elif kind == "done":
                 self._finish(*p)
             elif kind == "arrive":
@@ -199,30 +215,34 @@ class Simulator:
                 self._loaded(*p)
             elif kind == "step_done":
                 self._step_done(*p)
-        self._advance(max(self.now, w.horizon_s))
+        self.end_time = self.now if self.stats["steps"] >= w.steps else max(self.now, limit)
+        self._advance(self.end_time)
         return self.metrics()
 
     def _finish(self, idx: int, epoch: int) -> None:
         s = self.sess.get(idx)
-        if s is None or s[4] != epoch:
+        if s is None or s.epoch != epoch:
             return  # superseded by a pause or a migration
-        phys, logical, _, v0, _ = s
+        s.close(self.now)
         del self.sess[idx]
-        self.on_cell[phys].discard(idx)
-        self._change(phys, "phys", self.phys[phys] - 1)
+        self.on_cell[s.phys].discard(idx)
+        self.inbound[s.logical].discard(idx)
+        self._change(s.phys, "phys", self.phys[s.phys] - 1)
         self.stats["finished"] += 1
-        if self.dur[idx] >= self.w.timeout_s:
+        if s.dur >= self.w.timeout_s:
             self.stats["timed_out"] += 1
-        self.unfinished[idx] = (v0, self.version_on[phys])
-        self.finish_order.append(idx)
-        self.coord.handle(RolloutFinished(logical, idx))
+        self.done_rec[idx] = (s.dur, s.acc, s.vmin)
+        self.coord.handle(RolloutFinished(s.logical, idx, version=s.vmin))
 
-    def _pause_all(self, c: int, secs: float) -> None:
+    def _pause_all(self, c: int, until: float, version: int) -> None:
+        """Sessions on ``c`` stop generating until ``until``, then use ``version``."""
         for idx in self.on_cell[c]:
             s = self.sess[idx]
-            s[2] += secs
-            s[4] += 1
-            self._push(s[2], "done", (idx, s[4]))
+            s.close(self.now)
+            s.run_from = max(s.run_from, until)
+            s.ver = version
+            s.epoch += 1
+            self._push(s.end(), "done", (idx, s.epoch))
 
     def _execute(self, d: Decision) -> None:
         w = self.w
@@ -231,71 +251,86 @@ class Simulator:
             for _ in range(d.n):
                 idx = self.stats["started"]
                 self.stats["started"] += 1
-                end = self.now + self.dur[idx]
-                self.sess[idx] = [d.cell, d.cell, end, v, 0]
+                s = _Sess(idx, d.cell, self.dur[idx], self.now, v)
+                self.sess[idx] = s
                 self.on_cell[d.cell].add(idx)
-                self._push(end, "done", (idx, 0))
+                self._push(s.end(), "done", (idx, 0))
             self._change(d.cell, "phys", self.phys[d.cell] + d.n)
         elif isinstance(d, LoadWeights):
             self.stats["weight_loads"] += 1
             self._change(d.cell, "loading", True)
             self.load_until[d.cell] = self.now + w.weight_load_s
-            self._pause_all(d.cell, w.weight_load_s)
-            self._push(self.now + w.weight_load_s, "loaded", (d.cell, d.version))
+            self.load_to[d.cell] = d.version
+            self._pause_all(d.cell, self.load_until[d.cell], d.version)
+            self._push(self.load_until[d.cell], "loaded", (d.cell, d.version))
         elif isinstance(d, StartStep):
             for c in d.cells:
                 self._change(c, "stepping", True)
+            self.step_starts.append(self.now)
+            self._train(d.rollouts)
             dt = dp_step_seconds(d.samples, len(d.cells), w.train_s_per_sample, w.dp_sync_s)
-            self._take(d.samples, d.order)
             self._push(self.now + dt, "step_done", (d.cells, d.samples))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
             src = d.cell
+            self.switches_of[src] += 1
             self._change(src, "role", "draining" if d.to == "train" else "loading")
             if d.to == "rollout":
                 self._push(self.now + w.switch_s + w.weight_load_s, "move_done", (src,))
                 return
             targets = [t for t, n in d.reroute for _ in range(n)]
+            passing = sorted(self.inbound[src])
+            self.inbound[src].clear()
             sessions = sorted(self.on_cell[src])
-            assert len(targets) >= len(sessions), "reroute must cover every live session"
+            assert len(targets) == len(sessions) + len(passing), "reroute must cover every session"
+            for idx, tgt in zip(passing, targets[len(sessions) :], strict=True):
+                self.sess[idx].logical = tgt  # on its way: goes on to the new cell
+                self.inbound[tgt].add(idx)
             drained = self.now
             for idx, tgt in zip(sessions, targets, strict=False):
                 s = self.sess[idx]
-                s[1] = tgt
-                since = self.now - (s[2] - self.dur[idx])  # elapsed (pauses included)
-                k = math.ceil(since / w.call_s - 1e-9)
-                boundary = self.now + max(0.0, k * w.call_s - since)
-                if boundary >= s[2]:
-                    drained = max(drained, s[2])  # finishes here before its next call
+                s.logical = tgt
+                self.inbound[tgt].add(idx)  # booked there from now on
+                p = s.progress(self.now)
+                k = math.ceil(p / w.call_s - 1e-9)
+                # the next call boundary, in wall time (after any pause)
+                boundary = max(self.now, s.run_from) + (k * w.call_s - p)
+                if k * w.call_s >= s.dur:
+                    drained = max(drained, s.end())  # finishes here before its next call
                     continue
                 drained = max(drained, boundary)
-                self._push(boundary, "arrive", (idx, tgt, s[4]))
+                self._push(boundary, "arrive", (idx, s.epoch))
             self._push(drained + w.switch_s, "move_done", (src,))
 
-    def _arrive(self, idx: int, tgt: int, epoch: int) -> None:
+    def _arrive(self, idx: int, epoch: int) -> None:
         s = self.sess.get(idx)
         if s is None:
             return
-        src = s[0]
+        assert s.epoch == epoch, "a draining cell's session was paused mid-drain"
+        src, tgt = s.phys, s.logical
+        self.inbound[tgt].discard(idx)
+        s.close(self.now)
         self.on_cell[src].discard(idx)
         self._change(src, "phys", self.phys[src] - 1)
         if self.role[tgt] != "rollout" or self.phys[tgt] >= self.w.cap:
             self.stats["broken"] += 1  # nowhere to run: the session is lost
             del self.sess[idx]
-            self.unfinished[idx] = (s[3], s[3])  # counted (as broken), keeps the books even
-            self.finish_order.append(idx)
-            self.coord.handle(RolloutFinished(s[1], idx))
+            self.done_rec[idx] = (s.gen, s.acc, s.vmin)  # counted (as broken): books stay even
+            self.coord.handle(RolloutFinished(s.logical, idx, version=s.vmin))
             return
         cost = self.w.migrate_s if self.w.kv_move else self.w.reprefill_s
+        version = self.version_on[tgt]
         if self.loading[tgt]:  # arrives while the target loads weights: waits for it too
             cost += max(0.0, self.load_until[tgt] - self.now)
-        s[0] = tgt
-        s[2] += cost
-        s[4] += 1
+            version = self.load_to[tgt]
+        s.phys = tgt
+        s.run_from = self.now + cost
+        s.ver = version
+        s.epoch += 1
         self.on_cell[tgt].add(idx)
         self._change(tgt, "phys", self.phys[tgt] + 1)
         self.stats["migrations"] += 1
-        self._push(s[2], "done", (idx, s[4]))
+        self._push(s.end(), "done", (idx, s.epoch))
 
     def _move_done(self, c: int) -> None:
         if self.on_cell[c]:  # a session still here when the cell changes role
@@ -305,6 +340,7 @@ class Simulator:
         self._change(c, "role", target)
         self.coord.handle(MoveDone(c))
         self.version_on[c] = self.coord.version
+        self._tick_soon()
 
     def _loaded(self, c: int, v: int) -> None:
         self._change(c, "loading", False)
@@ -316,36 +352,43 @@ class Simulator:
             self._change(c, "stepping", False)
         self.stats["steps"] += 1
         self.stats["trained"] += samples
+        self.step_ends.append(self.now)
         self.coord.handle(StepFinished(cells))
         for c in cells:
             self.version_on[c] = self.coord.version
+        self._tick_soon()
 
-    def _take(self, n: int, order: str) -> None:
-        """Take ``n`` finished samples off the buffer and record their staleness."""
-        v = self.coord.version
-        for _ in range(n):
-            if order == "index":
-                idx = self.next_index_to_train
-                self.next_index_to_train += 1
-            else:
-                idx = self.finish_order.popleft()
-                while idx not in self.unfinished:
-                    idx = self.finish_order.popleft()
-            v0, v1 = self.unfinished.pop(idx)
-            self.stale_start.append(v - v0)
-            self.stale_end.append(v - v1)
+    def _train(self, rollouts: tuple[int, ...]) -> None:
+        """Record the lag of every token a step from the current weights trains."""
+        w = self.coord.version  # the step starts from these weights
+        for idx in rollouts:
+            dur, acc, vmin = self.done_rec.pop(idx)
+            self.lag_tokens += dur
+            self.lag_sum += w * dur - acc
+            self.lag_max = max(self.lag_max, w - vmin)
+            self.lags.append(w - vmin)
 
     def metrics(self) -> dict[str, float]:
-        hours = self.w.horizon_s / 3600.0
-        total = self.w.cells * self.w.horizon_s
+        w = self.w
+        secs = max(self.end_time, 1e-9)
+        hours = secs / 3600.0
+        total = w.cells * secs
         rb, ri, tb, ti, sw = self.acc
         st = self.stats
 
         def frac(x: float, y: float) -> float:
             return x / y if y > 0 else 0.0
 
+        k = len(self.step_starts) // 4
+        starts = self.step_starts
+        if len(starts) - 1 > k:
+            steady = w.batch * (len(starts) - 1 - k) / (starts[-1] - starts[k]) * 3600.0
+        else:
+            steady = 0.0
         return {
             "samples_per_hour": st["trained"] / hours,
+            "steady_per_hour": steady,
+            "hours": hours,
             "samples_trained": float(st["trained"]),
             "steps": float(st["steps"]),
             "rollouts_started": float(st["started"]),
@@ -358,11 +401,12 @@ class Simulator:
             "busy_fraction": frac(rb + tb, total),
             "switching_fraction": frac(sw, total),
             "cell_seconds": rb + ri + tb + ti + sw,
-            "staleness_mean": float(np.mean(self.stale_start)) if self.stale_start else 0.0,
-            "staleness_max": float(max(self.stale_start, default=0)),
-            "staleness_last_tokens_mean": float(np.mean(self.stale_end)) if self.stale_end else 0.0,
-            "staleness_last_tokens_max": float(max(self.stale_end, default=0)),
+            "lag_mean": max(0.0, frac(self.lag_sum, self.lag_tokens)),  # -0.0 from rounding
+            "lag_max": float(self.lag_max),
+            "lag_rollout_mean": sum(self.lags) / len(self.lags) if self.lags else 0.0,
             "role_switches": float(st["switches"]),
+            "switches_per_cell_day": st["switches"] / (w.cells * secs / 86400.0),
+            "max_switches_one_cell": float(max(self.switches_of, default=0)),
             "sessions_broken": float(st["broken"]),
             "migrations": float(st["migrations"]),
             "weight_loads": float(st["weight_loads"]),
@@ -372,27 +416,3 @@ class Simulator:
 def simulate(policy: Policy, workload: Workload, seed: int = 0) -> dict[str, float]:
     """Run ``policy`` on the seeded ``workload``; returns flat metrics."""
     return Simulator(policy, workload, seed).run()
-
-
-def default_policies(w: Workload, async_rollout_frac: float = 0.75, core_frac: float = 0.25):
-    """The three modes configured for ``w`` the same way the bench does."""
-    from tasks.sched.modes import Async, Colocate, Elastic, core_cells
-    from tasks.sched.waterlevel import Marks
-
-    k = max(1, min(w.cells - 1, round(async_rollout_frac * w.cells)))
-    return {
-        "colocate": Colocate(batch=w.batch),
-        "async": Async(batch=w.batch, rollout_cells=k),
-        "elastic": Elastic(
-            batch=w.batch,
-            marks=Marks(low=0.5 * w.batch, high=2.0 * w.batch),
-            core=core_cells(w.cells, core_frac),
-            train_s_per_sample=w.train_s_per_sample,
-            dp_sync_s=w.dp_sync_s,
-            move_step=max(1, w.cells // 16),
-        ),
-    }
-
-
-def workload_dict(w: Workload) -> dict[str, float]:
-    return {k: float(v) for k, v in asdict(w).items()}

@@ -7,6 +7,12 @@ training), below the low mark training starves (cells should go back to
 rollout). The band between the marks is the hysteresis: inside it nothing
 moves, so a level wobbling around one mark never flips roles back and forth.
 
+Under a lag bound the level that matters is not a sample count but *how soon
+the next step can start* (the water must hold a batch and the lag gate must
+open, see ``tasks/sched/lag.py``): :func:`due_signal` reads that time against
+two marks in seconds -- soon enough to staff training, or far enough off to
+lend its idle cells to rollout -- with the same dead band between them.
+
 Also here: how long one data-parallel step takes with ``m`` members, the model
 the elastic policy uses to decide how many training cells are worth having.
 Pure module: no prefect, no distributed, no I/O.
@@ -44,6 +50,20 @@ def waterlevel_signal(level: float, marks: Marks) -> Signal:
     if level >= marks.high:
         return 1
     if level < marks.low:
+        return -1
+    return 0
+
+
+def due_signal(eta_s: float, marks: Marks) -> Signal:
+    """+1: staff training now; -1: training's idle cells may roll out; 0: hold.
+
+    ``eta_s`` is the time until the next step can start; ``eta_s <= low`` ->
+    +1 (cells need ``low`` seconds to join), ``eta_s >= high`` -> -1 (worth a
+    round trip), otherwise 0 (dead band).
+    """
+    if eta_s <= marks.low:
+        return 1
+    if eta_s >= marks.high:
         return -1
     return 0
 

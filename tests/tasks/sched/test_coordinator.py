@@ -1,4 +1,4 @@
-"""The three modes and the coordinator on tiny hand-built states (no simulator)."""
+"""The modes and the coordinator on tiny hand-built states (no simulator)."""
 
 import pytest
 
@@ -14,8 +14,10 @@ from tasks.sched.coordinator import (
     StartStep,
     StepFinished,
     Tick,
+    VersionCount,
+    WeightsLoaded,
 )
-from tasks.sched.modes import Async, Colocate, Elastic
+from tasks.sched.modes import Async, AsyncStream, Colocate, Elastic
 from tasks.sched.waterlevel import Marks
 
 
@@ -33,16 +35,20 @@ def state(cells, **kw) -> SchedState:
         finish_rate=0.0,
     )
     base.update(kw)
+    vs = base.get("versions", ())
+    base.setdefault("in_flight", sum(v.in_flight for v in vs))
     return SchedState(cells=tuple(cells), **base)
 
 
 def elastic(**kw) -> Elastic:
     args = dict(
         batch=8,
-        marks=Marks(low=4, high=16),
         core=2,
         train_s_per_sample=10.0,
         dp_sync_s=1.0,
+        timeout_s=3_600.0,
+        marks=Marks(low=100.0, high=1_000.0),
+        max_lag=1,
         min_dwell_s=0.0,
     )
     args.update(kw)
@@ -53,7 +59,7 @@ def elastic(**kw) -> Elastic:
 
 
 def test_colocate_cycle_through_the_coordinator():
-    co = Coordinator(Colocate(batch=8), n_cells=2, cap=4)
+    co = Coordinator(Colocate(batch=8, train_s_per_sample=10.0, dp_sync_s=1.0), n_cells=2, cap=4)
     d = co.handle(Tick(0.0))
     assert d == [StartRollouts(0, 4), StartRollouts(1, 4)]
     assert co.handle(Tick(1.0)) == []  # batch in flight: nothing to do
@@ -61,10 +67,12 @@ def test_colocate_cycle_through_the_coordinator():
         co.handle(RolloutFinished(i % 2, i))
     assert co.handle(Tick(2.0)) == []  # one straggler keeps everyone waiting
     co.handle(RolloutFinished(1, 7))
+    # the fastest DP size for 8 samples x 10 s with 1 s sync per member is 2 (of 2)
     assert co.handle(Tick(3.0)) == [Move(0, "train"), Move(1, "train")]
     co.handle(MoveDone(0))
     co.handle(MoveDone(1))
-    assert co.handle(Tick(4.0)) == [StartStep((0, 1), 8, order="index")]
+    (step,) = co.handle(Tick(4.0))
+    assert step == StartStep((0, 1), 8, order="index", rollouts=tuple(range(8)))
     co.handle(StepFinished((0, 1)))
     assert co.handle(Tick(5.0)) == [Move(0, "rollout"), Move(1, "rollout")]
     co.handle(MoveDone(0))
@@ -73,28 +81,29 @@ def test_colocate_cycle_through_the_coordinator():
     assert co.handle(Tick(6.0)) == [StartRollouts(0, 4), StartRollouts(1, 4)]
 
 
-# ---- async
+# ---- async (batch and streaming)
 
 
-def test_async_fixed_split_and_staleness_gate():
-    pol = Async(batch=4, rollout_cells=1)
+def test_async_fixed_split_and_lag_gate():
+    pol = Async(batch=4, rollout_cells=1, max_lag=1)
     assert pol.initial_roles(3) == ("rollout", "train", "train")
     cells = [CellView(0, "rollout"), CellView(1, "train"), CellView(2, "train")]
     # version 0: batches 0 and 1 may start (8 rollouts), no further
-    d = pol.recommendations(state(cells, started=4, in_flight=4))
-    assert d == [StartRollouts(0, 4)]
-    d = pol.recommendations(state(cells, started=8, in_flight=4, cap=8))
-    assert d == []  # batch 2 needs version >= 1
-    # batch 0 finished -> step 0; the rollout cell must first load v1 to go on
+    assert pol.recommendations(state(cells, started=4, in_flight=4)) == [StartRollouts(0, 4)]
+    assert pol.recommendations(state(cells, started=8, in_flight=4, cap=8)) == []
+    # lag <= 2: batch 2 may start with version 0 too
+    pol2 = Async(batch=4, rollout_cells=1, max_lag=2)
+    assert pol2.recommendations(state(cells, started=8, in_flight=4, cap=8)) == [
+        StartRollouts(0, 4)
+    ]
+    # batch 0 trained -> v1; the stale rollout cell loads v1 before it starts more
     cells_v = [CellView(0, "rollout", weight_version=0), *cells[1:]]
-    d = pol.recommendations(
-        state(cells_v, started=8, finished_prefix=4, water_level=4, version=1, trained=4)
-    )
-    assert LoadWeights(0, 1) in d and not any(isinstance(x, StartRollouts) for x in d)
+    d = pol.recommendations(state(cells_v, started=8, finished_prefix=4, version=1, trained=4))
+    assert d == [LoadWeights(0, 1)]
 
 
 def test_async_step_waits_for_the_whole_batch():
-    pol = Async(batch=4, rollout_cells=1)
+    pol = Async(batch=4, rollout_cells=1, train_s_per_sample=10.0, dp_sync_s=1.0)
     cells = [CellView(0, "rollout", sessions=4), CellView(1, "train")]
     d = pol.recommendations(state(cells, started=8, in_flight=5, water_level=3, finished_prefix=3))
     assert not any(isinstance(x, StartStep) for x in d)
@@ -102,120 +111,145 @@ def test_async_step_waits_for_the_whole_batch():
     assert StartStep((1,), 4, order="index") in d
 
 
+def test_async_stream_takes_oldest_and_respects_the_gate():
+    pol = AsyncStream(batch=4, rollout_cells=1, max_lag=1, train_s_per_sample=10.0, dp_sync_s=1.0)
+    cells = [CellView(0, "rollout", sessions=4, weight_version=2), CellView(1, "train")]
+    blocked = [VersionCount(1, 1, 2, oldest_start=0.0), VersionCount(2, 3, 5)]
+    d = pol.recommendations(state(cells, version=2, started=16, versions=blocked))
+    assert not any(isinstance(x, StartStep) for x in d)  # a base-1 rollout still runs
+    ok = [VersionCount(1, 0, 2), VersionCount(2, 4, 5)]
+    d = pol.recommendations(state(cells, version=2, started=16, versions=ok))
+    assert d == [StartStep((1,), 4, order="oldest")]
+
+
 # ---- elastic
 
 
-def test_elastic_streaming_step_and_grow_above_high_mark():
+def test_elastic_step_waits_for_the_lag_gate_then_takes_the_fastest_members():
     pol = elastic()
+    cells = [CellView(i, "rollout", weight_version=3) for i in range(2)]
+    cells += [CellView(i, "train", weight_version=3) for i in range(2, 6)]
+    gate_shut = [VersionCount(2, 1, 9, oldest_start=9_000.0), VersionCount(3, 0, 6)]
+    d = pol.recommendations(state(cells, version=3, started=40, versions=gate_shut))
+    assert not any(isinstance(x, StartStep) for x in d)
+    open_ = [VersionCount(2, 0, 9), VersionCount(3, 1, 6)]
+    d = pol.recommendations(state(cells, version=3, started=40, versions=open_))
+    # best DP size for 8 samples x 10 s, 1 s sync: sqrt(80) ~ 9 -> all 4 train cells
+    assert d[0] == StartStep((2, 3, 4, 5), 8, order="oldest")
+
+
+def test_elastic_recruits_when_the_step_is_near_rerouting_to_new_enough_weights():
+    pol = elastic(core=2)
     cells = [
-        CellView(0, "rollout", sessions=1),  # core
-        CellView(1, "rollout", sessions=2),  # core
-        CellView(2, "rollout", sessions=3),
-        CellView(3, "rollout", sessions=1),
-        CellView(4, "train"),
+        CellView(0, "rollout", sessions=1, weight_version=2),  # core, old weights
+        CellView(1, "rollout", sessions=2, weight_version=3),  # core, 2 free slots
+        CellView(2, "rollout", sessions=1, weight_version=3),
+        CellView(3, "rollout", sessions=0, weight_version=3),
+        CellView(4, "rollout", sessions=4, weight_version=3),
     ]
-    d = pol.recommendations(state(cells, water_level=30, finish_rate=0.01))
-    assert d[0] == StartStep((4,), 8, order="finish")
+    # the gate opens within marks.low: the base-2 rollout started 3,550 s ago (cap 3,600)
+    vs = [VersionCount(2, 1, 8, oldest_start=10_000.0 - 3_550.0), VersionCount(3, 8, 0)]
+    d = pol.recommendations(state(cells, version=3, started=40, versions=vs))
     moves = [x for x in d if isinstance(x, Move)]
-    # level after the step 22 >= high 16: the fewest-sessions non-core cell leaves,
-    # its session rerouted into a free core slot; backpressure: no new rollouts
-    assert moves == [Move(3, "train", reroute=((0, 1),))]
-    assert not any(isinstance(x, StartRollouts) for x in d)
+    # emptiest first: cell 3 (no sessions), then cell 2 whose session goes to cell 1
+    # (cell 0 holds older weights); cell 4's four sessions do not fit anywhere
+    assert moves == [Move(3, "train"), Move(2, "train", reroute=((1, 1),))]
 
 
-def test_elastic_core_retention_and_no_move_of_busy_cells():
-    pol = elastic(move_step=10)
+def test_elastic_lends_idle_trainers_only_when_the_next_step_is_far():
+    pol = elastic(core=1)
+    cells = [CellView(0, "rollout", sessions=4, weight_version=5)]
+    cells += [CellView(i, "train", weight_version=5) for i in range(1, 5)]
+    # just published v5: (5 + 2) x 8 - 48 = 8 rollouts may start, no slot free;
+    # the next gate ~1 h away: two idle train cells go (4 slots each)
+    far = [VersionCount(4, 2, 0, oldest_start=10_000.0)]
+    d = pol.recommendations(state(cells, version=5, started=48, versions=far, published_at=9_990.0))
+    assert [x for x in d if isinstance(x, Move)] == [Move(1, "rollout"), Move(2, "rollout")]
+    # inside the dead band (gate in 500 s: between low 100 and high 1,000): nothing moves
+    mid = [VersionCount(4, 2, 8, oldest_start=10_000.0 - 3_100.0)]  # water holds a batch
+    d = pol.recommendations(state(cells, version=5, started=48, versions=mid))
+    assert not any(isinstance(x, Move) for x in d)
+
+
+def test_elastic_backpressure_only_core_takes_sessions_while_training_waits():
+    pol = elastic(core=1)
+    cells = [
+        CellView(0, "rollout", sessions=2, weight_version=3),
+        CellView(1, "rollout", sessions=4, weight_version=3),
+        CellView(2, "rollout", sessions=3, weight_version=3),
+    ]
+    vs = [VersionCount(2, 0, 8), VersionCount(3, 9, 0)]  # gate open, nobody trains
+    d = pol.recommendations(state(cells, version=3, started=32, versions=vs))
+    starts = [x for x in d if isinstance(x, StartRollouts)]
+    # no cell can leave yet (their sessions do not fit); cells 1 and 2 are left to
+    # empty out, the core takes the new rollouts
+    assert not any(isinstance(x, Move) for x in d)
+    assert starts == [StartRollouts(0, 2)]
+
+
+def test_elastic_core_and_busy_cells_never_move():
+    pol = elastic(core=2)
     cells = [
         CellView(0, "rollout"),
         CellView(1, "rollout"),
-        CellView(2, "rollout", busy=True),  # loading weights: sessions paused mid-call
+        CellView(2, "rollout", busy=True),  # loading weights: its sessions are paused
         CellView(3, "train", busy=True),  # inside an optimizer step
     ]
-    d = pol.recommendations(state(cells, water_level=100, step_running=True))
-    moved = {x.cell for x in d if isinstance(x, Move)}
-    assert moved.isdisjoint({0, 1, 2, 3})
-    # starved, but the train cell is mid-step: it stays
-    d = pol.recommendations(state(cells, water_level=0, step_running=True))
-    assert not any(isinstance(x, Move) for x in d)
+    vs = [VersionCount(0, 0, 30)]
+    d = pol.recommendations(state(cells, versions=vs, step_running=True))
+    assert {x.cell for x in d if isinstance(x, Move)}.isdisjoint({0, 1, 2, 3})
 
 
-def test_elastic_rollout_cell_leaves_only_if_its_sessions_can_be_rerouted():
-    pol = elastic()
-    cells = [
-        CellView(0, "rollout", sessions=4),
-        CellView(1, "rollout", sessions=3),  # one free core slot
-        CellView(2, "rollout", sessions=2),
-        CellView(3, "train"),
-    ]
-    d = pol.recommendations(state(cells, water_level=20, step_running=True))
-    assert not any(isinstance(x, Move) for x in d)  # 2 sessions, 1 free slot: wait
-    cells[2] = CellView(2, "rollout", sessions=1)
-    d = pol.recommendations(state(cells, water_level=20, step_running=True))
-    assert d[0] == Move(2, "train", reroute=((1, 1),))
+def test_elastic_blocks_move_together():
+    pol = elastic(core=1, block=2)
+    cells = [CellView(0, "rollout", sessions=4, weight_version=3)]
+    cells += [CellView(i, "rollout", sessions=0, weight_version=3) for i in (1, 2)]
+    cells += [CellView(3, "rollout", sessions=4, weight_version=3)]
+    cells += [CellView(4, "rollout", sessions=0, weight_version=3)]
+    vs = [VersionCount(2, 0, 8), VersionCount(3, 8, 0)]
+    d = pol.recommendations(state(cells, version=3, started=32, versions=vs))
+    # block {1, 2} goes; block {3, 4} cannot (cell 3's sessions would need cell 4's slots)
+    assert [x.cell for x in d if isinstance(x, Move)] == [1, 2]
 
 
-def test_elastic_hysteresis_no_flapping():
-    """A level wobbling around the high mark after a grow never sends cells back."""
-    pol = elastic()
-    cells = [CellView(i, "rollout") for i in range(4)] + [
-        CellView(4, "train"),
-        CellView(5, "train"),
-    ]
-    for level in (15, 17, 15, 16, 5, 7):  # inside or above the band, or below it with steps due
-        d = pol.recommendations(state(cells, water_level=level, step_running=True))
-        assert not any(isinstance(x, Move) and x.to == "rollout" for x in d)
-    # only below the low mark with training idle and oversized does a cell go back
-    d = pol.recommendations(state(cells, water_level=3))
-    assert [x for x in d if isinstance(x, Move)] == [Move(4, "rollout")]
+# ---- the coordinator
 
 
-def test_elastic_dwell_time_damps_moves():
-    pol = elastic(min_dwell_s=600.0)
-    cells = [CellView(0, "rollout"), CellView(1, "rollout"), CellView(2, "rollout", since=9_900.0)]
-    cells.append(CellView(3, "train"))
-    d = pol.recommendations(state(cells, water_level=20, step_running=True))
-    assert not any(isinstance(x, Move) for x in d)  # cell 2 changed role 100 s ago
-
-
-def test_elastic_refresh_lag_and_moves_in_flight_block_more_moves():
-    pol = elastic(refresh_lag=2)
-    cells = [
-        CellView(0, "rollout", weight_version=1),
-        CellView(1, "rollout", weight_version=3),
-        CellView(2, "draining", target="train"),
-        CellView(3, "rollout"),
-        CellView(4, "train"),
-    ]
-    d = pol.recommendations(state(cells, water_level=20, version=3, step_running=True))
-    assert LoadWeights(0, 3) in d and LoadWeights(1, 3) not in d
-    assert not any(isinstance(x, Move) for x in d)
-
-
-def test_coordinator_books_decisions_and_checks_boundaries():
-    co = Coordinator(elastic(), n_cells=4, cap=4)
-    assert [c.role for c in co.state().cells] == ["rollout"] * 3 + ["train"]
+def test_coordinator_books_versions_and_names_the_rollouts_a_step_trains():
+    co = Coordinator(AsyncStream(batch=2, rollout_cells=2, max_lag=1), n_cells=3, cap=2)
     d = co.handle(Tick(0.0))
-    assert sum(x.n for x in d if isinstance(x, StartRollouts)) == 12
+    assert d == [StartRollouts(0, 2), StartRollouts(1, 2)]  # 2 x batch at version 0
+    co.handle(RolloutFinished(1, 3))
+    co.handle(RolloutFinished(0, 1, version=0))
     st = co.state()
-    assert st.in_flight == 12 and st.started == 12
-    with pytest.raises(AssertionError):
-        co._book(StartRollouts(0, 1))  # over the concurrency cap
-    for i in range(8):
-        co.handle(RolloutFinished(i % 3, i))
-    d = co.handle(Tick(100.0))
-    assert StartStep((3,), 8, order="finish") in d
-    assert co.state().water_level == 0 and co.state().step_running
+    assert st.versions == (VersionCount(0, 2, 2, oldest_start=0.0),)
+    (step,) = co.handle(Tick(10.0))
+    assert step.rollouts == (3, 1)  # oldest base first, then in finish order
+    assert co.state().versions == (VersionCount(0, 2, 0, oldest_start=0.0),)
+    co.handle(StepFinished((2,)))
+    co.handle(Tick(20.0))
+    assert co.state().published_at == 20.0 or co.state().version == 1
+
+
+def test_coordinator_keeps_the_reported_oldest_version():
+    co = Coordinator(AsyncStream(batch=1, rollout_cells=1, max_lag=3), n_cells=2, cap=4)
+    co.handle(Tick(0.0))
+    co._cells[0].weight_version = 2  # (as if loaded) later rollouts book base 2
+    co.handle(RolloutFinished(0, 0, version=0))
+    assert [(v.version, v.finished) for v in co.state().versions] == [(0, 1)]
+
+
+def test_coordinator_checks_boundaries_and_caps():
+    co = Coordinator(elastic(), n_cells=4, cap=4)
+    assert [c.role for c in co.state().cells] == ["rollout"] * 4
+    d = co.handle(Tick(0.0))
+    assert sum(x.n for x in d if isinstance(x, StartRollouts)) == 16  # (0 + 1 + 1) x 8
+    with pytest.raises(AssertionError, match="cap"):
+        co._book(StartRollouts(0, 1))
+    with pytest.raises(AssertionError, match="reroute"):
+        co._book(Move(3, "train", reroute=((0, 1),)))  # 4 sessions, 1 rerouted
+    co.handle(Tick(1.0))
+    co._book(LoadWeights(3, 0))
     with pytest.raises(AssertionError, match="boundary"):
-        co._book(Move(3, "rollout"))  # a train cell mid-step cannot leave
-
-
-def test_elastic_waits_for_members_only_while_more_can_join():
-    pol = elastic(batch=1000, train_s_per_sample=60.0, dp_sync_s=2.0, min_dwell_s=1e9)
-    cells = [CellView(i, "rollout", sessions=4) for i in range(6)] + [CellView(6, "train")]
-    # training must grow to keep up (rate 1/s): a lone member does not start the step
-    d = pol.recommendations(state(cells, water_level=1000, finish_rate=1.0))
-    assert not any(isinstance(x, StartStep) for x in d)
-    # nobody can ever join (no non-core rollout cell left): step with what there is
-    cells = [CellView(0, "rollout"), CellView(1, "rollout"), CellView(2, "train")]
-    d = pol.recommendations(state(cells, water_level=1000, finish_rate=1.0))
-    assert StartStep((2,), 1000, order="finish") in d
+        co._book(Move(3, "train"))  # busy: mid weight load
+    co.handle(WeightsLoaded(3, 0))

@@ -54,3 +54,13 @@ def test_members_to_keep_up():
     assert members_to_keep_up(100, 2.0, 1.0, rate=100.0, limit=50) == best_members(
         100, 2.0, 1.0, 50
     )
+
+
+def test_due_signal_dead_band_in_seconds():
+    """Time to the next step: soon -> staff training, far -> lend, between -> hold."""
+    from tasks.sched.waterlevel import due_signal
+
+    m = Marks(low=100.0, high=1_000.0)
+    assert due_signal(0.0, m) == 1 and due_signal(100.0, m) == 1
+    assert due_signal(100.1, m) == 0 and due_signal(999.9, m) == 0
+    assert due_signal(1_000.0, m) == -1 and due_signal(float("inf"), m) == -1

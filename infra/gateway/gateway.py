@@ -11,7 +11,8 @@ the response (or the final stream chunk) goes out. The OpenAI ``id`` of a respon
 Sessions are named by API keys (``Authorization: Bearer <key>``), one per rollout, made by
 ``Gateway.new_session`` or the admin endpoint ``POST /gyre/sessions``. Cells join and leave at
 run time (``add_engine`` / ``remove_engine``): a withdrawn cell's sessions continue on another
-cell with their KV moved, and the harness notices nothing.
+cell with their KV moved, and the harness notices nothing. A session created with
+``meta={"cell_id": ...}`` starts on that cell while it serves (a scheduler's placement).
 
 The HTTP layer is in `infra.gateway.endpoints`; this module holds the state and the call pipeline.
 """
@@ -330,10 +331,16 @@ class Gateway:
         else:
             async with s.lock:
                 if s.cell_id is None or s.cell_id not in self.router.engines:
-                    new = self.router.pick_new()
+                    new = self._placed(s) or self.router.pick_new()
                     self.router.assign(s.session_id, new, None)
                     s.cell_id = new.cell_id
         return self.router.engines[s.cell_id]
+
+    def _placed(self, s: Session) -> EngineHandle | None:
+        """The cell a scheduler placed the session on (``meta["cell_id"]`` at creation), if
+        it serves: the scheduler chose it for its weights and its free slots."""
+        h = self.router.engines.get(str(s.meta.get("cell_id") or ""))
+        return h if h is not None and h.state == "active" else None
 
     def max_context(self) -> int | None:
         limits = [h.max_context for h in self.router.active() if h.max_context]

@@ -19,8 +19,9 @@ rerouted and their KV moved, weight loads through the engines' HTTP API, checkpo
 the store, DP group formation and gradient all-reduce over gloo, TITO, processing.
 
 All modes train under the same lag bound (``train.max_staleness``, enforced by the trainer:
-tokens beyond it are dropped and counted). Async runs at every split of the cells and the
-best one is reported (its best in hindsight). Throughput is groups trained per second of
+tokens beyond it are dropped and counted). Async runs at every split of the cells, as the
+batch pipeline and as streaming steps (``async-stream``), and the best of them is reported
+(async at its best in hindsight). Throughput is groups trained per second of
 the run (first decision to the last step's end).
 
     python bench/modes.py [--quick] [--json PATH]
@@ -74,7 +75,8 @@ def overrides(mode: str, cells: int, steps: int, rollout_cells: int, store: str)
         f"scheduler.mode={mode}",
         "scheduler.groups_per_cell=2",
         "scheduler.core=1",
-        "scheduler.train_core=1",
+        "scheduler.low_mark=2",
+        "scheduler.high_mark=6",
         "scheduler.min_dwell_s=3",
         "scheduler.train_s_per_group=1.0",
         "scheduler.dp_sync_s=0.2",
@@ -179,10 +181,11 @@ def bench(quick: bool, n_cells: int, store: str) -> dict[str, Any]:
         with start_cells(
             n_cells, threads_per_cell=2, env=env, rollout_slots=2, harness_slots=2
         ) as cells:
-            plan = [("colocate", n_cells - 1)] + [("async", k) for k in splits]
+            plan = [("colocate", n_cells - 1)]
+            plan += [(m, k) for m in ("async", "async-stream") for k in splits]
             plan.append(("elastic", n_cells - 1))
             for mode, k in plan:
-                name = mode if mode != "async" else f"async-{k}R{n_cells - k}T"
+                name = mode if not mode.startswith("async") else f"{mode}-{k}R{n_cells - k}T"
                 cfg = load_config(overrides=overrides(mode, n_cells, steps, k, store))
                 t0 = time.monotonic()
                 res[name] = run_mode(cells, st, model_dir, cfg, f"bench-{stamp}-{name}")

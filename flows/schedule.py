@@ -79,7 +79,7 @@ class PrefectWork:
         self.total = cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
 
-    def spec(self, index: int) -> GroupSpec:
+    def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
         n, env_s, env_sigma = group_shape(
             self.cfg.scheduler.pacing, r.subtasks, index, self.total, self.cfg.scheduler.seed
@@ -92,9 +92,10 @@ class PrefectWork:
             step=index // r.groups_per_step,
             env_step_s=env_s,
             env_step_sigma=env_sigma,
+            cell_id=cell_id,
         )
 
-    def rollout(self, index: int) -> _Job:
+    def rollout(self, index: int, cell_id: str) -> _Job:
         self.since[index] = time.time_ns() - CLOCK_SKEW_NS
         with dask.annotate(resources={"harness": 1}):
             fut = rollout_group.submit(
@@ -102,7 +103,7 @@ class PrefectWork:
                 self.gateway.admin_token,
                 self.store,
                 self.run_id,
-                self.spec(index),
+                self.spec(index, cell_id),
                 self.cfg.rollout,
                 self.stop_event,
             )
@@ -147,15 +148,17 @@ class PrefectWork:
 
 def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
     """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows)."""
-    sc, batch = cfg.scheduler, cfg.rollout.groups_per_step
+    sc = cfg.scheduler
+    oldest = min((v.version for v in s.versions), default=s.version)
     base = (
-        f"{sc.mode}: water level {s.water_level} groups "
-        f"(marks {sc.low_mark * batch:g}/{sc.high_mark * batch:g}), {s.in_flight} in flight, "
-        f"v{s.version}, step {'running' if s.step_running else 'idle'}, "
-        f"{s.count('rollout')} rollout / {s.count('train')} train cells"
+        f"{sc.mode}: {s.water_level} groups buffered, {s.in_flight} in flight "
+        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{s.version}, "
+        f"step {'running' if s.step_running else 'idle'}, "
+        f"{s.count('rollout')} rollout / {s.count('train')} train cells, "
+        f"marks {sc.low_mark:g}/{sc.high_mark:g}s"
     )
     if isinstance(d, Move):
-        return f"move to {d.to} ({len(d.reroute)} reroute targets); {base}"
+        return f"move to {d.to} ({sum(n for _, n in d.reroute)} groups rerouted); {base}"
     if isinstance(d, LoadWeights):
         return f"load v{d.version}; {base}"
     if isinstance(d, StartStep):
@@ -176,6 +179,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         rollout_cells=cfg.cluster.rollout_cells,
         batch=r.groups_per_step,
         max_lag=cfg.train.max_staleness,
+        timeout_s=r.timeout_s,
     )
     coord = Coordinator(policy, n_cells, sc.groups_per_cell)
     stop_event = f"gyre-stop-{run_id}"

@@ -21,6 +21,7 @@ class GroupSpec:
     step: int = 0  # the step a batch-synchronous mode would train it in (index // batch)
     env_step_s: float = 0.0  # median seconds of one environment step (0 = instant)
     env_step_sigma: float = 0.0  # log-normal spread: the tail of slow steps
+    cell_id: str | None = None  # the rollout cell the scheduler placed the group on
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ProcessedStep:
     tokens_unique: int
     tokens_flat: int
     reward_mean: float
+    version_min: int = -1  # oldest policy version among the samples' tokens (-1: none)
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ def process_sessions(
         tokens_unique=int(sum(r["n_tokens_unique"] for r in rollout_rows)),
         tokens_flat=int(sum(r["n_tokens_flat"] for r in rollout_rows)),
         reward_mean=float(np.mean(list(rewards.values()))) if rewards else 0.0,
+        version_min=min(
+            (int(s.versions[s.versions >= 0].min()) for s in samples if (s.versions >= 0).any()),
+            default=-1,
+        ),
     )
 
 

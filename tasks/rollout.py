@@ -149,7 +149,13 @@ def roll_out_group(
             gateway_url,
             admin_token,
             spec.group_id,
-            {"step": spec.step, "task_id": env.task_id, "member": i, "group": spec.index},
+            {
+                "step": spec.step,
+                "task_id": env.task_id,
+                "member": i,
+                "group": spec.index,
+                "cell_id": spec.cell_id,  # the gateway starts the session there
+            },
         )
         envs.append(env)
         keys.append(key)

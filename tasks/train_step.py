@@ -311,6 +311,14 @@ def _paced(group: dp.DPGroup, started: float, device_s: float):
     return reduce
 
 
+def member_on_cell(
+    store: Store, run_id: str, plan: dp.StepPlan, rank: int, cfg: TrainConfig, **kw
+) -> TrainedStep:
+    """``member_step`` on the training cell running the caller (a Dask task), whose plugin
+    keeps the replica and the DP group between steps."""
+    return member_step(store, run_id, plan, rank, cfg, holder=this_cell(), **kw)
+
+
 @task(name="train-member", task_run_name="train-step-{plan.step}-r{rank}")
 def train_member(
     store: Store,
@@ -325,13 +333,12 @@ def train_member(
 ) -> TrainedStep:
     """This training cell's part of one data-parallel step (rank 0 publishes the version)."""
     cell = this_cell()
-    out = member_step(
+    out = member_on_cell(
         store,
         run_id,
         plan,
         rank,
         cfg,
-        holder=cell,
         s_per_token=s_per_token,
         timeout_s=timeout_s,
         backend=backend,

@@ -75,7 +75,7 @@ class Job(Protocol):
 class Work(Protocol):
     """How the executor starts units of work; the flow implements it with Prefect tasks."""
 
-    def rollout(self, index: int) -> Job: ...
+    def rollout(self, index: int, cell_id: str) -> Job: ...
 
     def process(self, index: int, sessions: Any, version: int) -> Job: ...
 
@@ -164,6 +164,7 @@ class Executor:
         self.routed: set[int] = set()  # cells whose engine the gateway routes to
         self.groups: dict[int, Group] = {}
         self.buffer: OrderedDict[int, Group] = OrderedDict()  # finished, untrained
+        self.held: list[int] = []  # finished, in the shuffle buffer (not yet reported)
         self.next_index = 0
         self.generation = -1
         self.members: tuple[str, ...] = ()
@@ -265,7 +266,7 @@ class Executor:
         self.next_index += 1
         g = Group(idx, cell, time.time())
         self.groups[idx] = g
-        g.job = self.work.rollout(idx)
+        g.job = self.work.rollout(idx, self.cell_id(cell))
         self.stats.groups_started += 1
         g.job.add_done_callback(lambda idx=idx: self._q.put(("rollout", idx)))
 
@@ -273,7 +274,7 @@ class Executor:
         return sorted(
             i
             for i, g in self.groups.items()
-            if g.phase in ("rollout", "process") and (cell is None or g.cell == cell)
+            if g.phase in ("rollout", "process", "held") and (cell is None or g.cell == cell)
         )
 
     def _handle(self, item: tuple) -> list[Event]:
@@ -291,10 +292,10 @@ class Executor:
         if kind == "processed":
             g = self.groups[item[1]]
             g.processed = g.job.result()
-            g.phase, g.job, g.t_done = "buffered", None, time.time()
-            self.buffer[g.index] = g
+            g.phase, g.job, g.t_done = "held", None, time.time()
+            self.held.append(g.index)
             self.stats.groups_done += 1
-            return [RolloutFinished(g.cell, g.index)]
+            return self._release()
         if kind == "moved":
             _, i, role, t_decided = item
             self.roles[i] = role
@@ -314,6 +315,22 @@ class Executor:
             _, what, exc = item
             raise ExecutorError(f"{what} failed: {exc}") from exc
         raise ExecutorError(f"unknown executor event {item!r}")  # pragma: no cover
+
+    def _release(self) -> list[Event]:
+        """Finished groups go to the coordinator's water level; with a shuffle buffer of
+        ``S`` they are held back and released in random order once more than ``S`` wait
+        (or when nothing else is running), which mixes sessions and time in the steps at
+        a bounded cost in lag (measured in ``ledger``)."""
+        out: list[Event] = []
+        running = any(g.phase in ("rollout", "process") for g in self.groups.values())
+        while self.held and (len(self.held) > self.shuffle_buffer or not running):
+            k = self.rng.randrange(len(self.held)) if self.shuffle_buffer else 0
+            g = self.groups[self.held.pop(k)]
+            g.phase = "buffered"
+            self.buffer[g.index] = g
+            v = getattr(g.processed, "version_min", -1)
+            out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
+        return out
 
     # -- role changes ------------------------------------------------------------------
     def _move(self, d: Move, reason: str) -> None:
@@ -408,21 +425,12 @@ class Executor:
 
     # -- training -----------------------------------------------------------------------
     def _pick(self, d: StartStep) -> list[Group]:
-        """The buffered groups this step trains: the coordinator's choice when it names
-        them, else by its order; ``shuffle_buffer`` draws them at random from the oldest
-        ``n + shuffle_buffer`` (mixing sessions and time at a bounded extra lag)."""
-        named = getattr(d, "rollouts", ())
-        if named:
-            return [self.buffer[i] for i in named]
-        if d.order == "index":
-            cands = sorted(self.buffer)
-        else:
-            cands = list(self.buffer)  # release (finish) order
-        window = cands[: d.samples + self.shuffle_buffer]
-        if self.shuffle_buffer and d.order != "index":
-            chosen = set(self.rng.sample(window, d.samples))
-            return [self.buffer[i] for i in window if i in chosen]
-        return [self.buffer[i] for i in window[: d.samples]]
+        """The buffered groups this step trains: those the coordinator names, else the
+        next ones in its order (start index, or release order)."""
+        if d.rollouts:
+            return [self.buffer[i] for i in d.rollouts]
+        cands = sorted(self.buffer) if d.order == "index" else list(self.buffer)
+        return [self.buffer[i] for i in cands[: d.samples]]
 
     def _start_step(self, d: StartStep, reason: str) -> None:
         if self.step_jobs:

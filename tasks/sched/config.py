@@ -3,8 +3,12 @@
 One section drives every mode, so that a comparison changes ``mode`` and nothing else:
 
 - ``mode``: ``colocate`` (all cells roll out a batch, then all train on it), ``async`` (a
-  fixed split, rollouts at most ``max_lag`` versions ahead) or ``elastic`` (streaming steps,
-  waterlevel control, boundary dispatch, core retention, dynamic-membership DP).
+  fixed split, batch ``b`` trained by step ``b``, rollouts at most ``train.max_staleness``
+  versions ahead), ``async-stream`` (the same split with streaming, lag-bounded steps: the
+  strongest fixed-split baseline) or ``elastic`` (streaming lag-bounded steps, waterlevel
+  control, boundary dispatch, core retention, dynamic-membership DP).
+- one lag bound for every mode: ``train.max_staleness`` (policies schedule for it, the
+  trainer enforces it).
 - the unit the scheduler counts is one *group*: ``rollout.group_size`` sessions of one task,
   which GRPO needs together; a step trains ``rollout.groups_per_step`` groups.
 - ``pacing``: device time of the cells, for benchmarks where a few CPU cores stand in for
@@ -20,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Mode = Literal["colocate", "async", "elastic"]
+Mode = Literal["colocate", "async", "async-stream", "elastic"]
 
 
 class PacingConfig(BaseModel):
@@ -64,17 +68,25 @@ class SchedulerConfig(BaseModel):
 
     mode: Mode = Field(
         "elastic",
-        description="colocate | async | elastic; async splits cells as cluster.rollout_cells "
-        "+ cluster.train_cells",
+        description="colocate | async | async-stream | elastic; async modes split cells as "
+        "cluster.rollout_cells + cluster.train_cells",
     )
     groups_per_cell: int = Field(
         2, ge=1, le=64, description="groups a rollout cell serves at once (its session cap)"
     )
     core: int = Field(1, ge=1, description="rollout cells elastic never takes (core retention)")
-    train_core: int = Field(1, ge=0, description="train cells elastic keeps")
-    low_mark: float = Field(0.5, ge=0, description="water level (in batches) to shrink training")
-    high_mark: float = Field(2.0, gt=0, description="water level (in batches) to grow training")
-    move_step: int = Field(1, ge=1, description="cells elastic moves at once")
+    low_mark: float = Field(
+        3.0,
+        ge=0,
+        description="elastic staffs training when the next step is due within this (seconds): "
+        "about what a cell needs to join (a call boundary, the switch, a tick)",
+    )
+    high_mark: float = Field(
+        8.0,
+        gt=0,
+        description="elastic lends an idle train cell to rollout when the next step is at "
+        "least this far (seconds): low_mark plus a round trip (switch, weight load, call)",
+    )
     min_dwell_s: float = Field(5.0, ge=0, description="a cell keeps a role at least this long")
     shuffle_buffer: int = Field(
         0, ge=0, le=1024, description="finished groups held back and released in random order"
@@ -101,7 +113,7 @@ class SchedulerConfig(BaseModel):
         if self.low_mark >= self.high_mark:
             raise ValueError(
                 f"scheduler.low_mark={self.low_mark} must be below scheduler.high_mark="
-                f"{self.high_mark} (the gap is the hysteresis band)"
+                f"{self.high_mark} (the gap is the dead band: one round trip of a cell)"
             )
         return self
 
@@ -109,45 +121,46 @@ class SchedulerConfig(BaseModel):
 def cell_problems(cfg: SchedulerConfig, rollout_cells: int, train_cells: int) -> list[str]:
     """What is wrong with this many cells for ``cfg.mode`` (each names the setting and fix)."""
     n = rollout_cells + train_cells
-    out = []
     if cfg.mode == "elastic" and not cfg.core < n:
-        out.append(
+        return [
             f"scheduler.core={cfg.core}: elastic needs fewer core cells than cells ({n}); "
             "lower scheduler.core or add cells"
-        )
-    if cfg.mode == "elastic" and cfg.core + cfg.train_core > n:
-        out.append(
-            f"scheduler.train_core={cfg.train_core}: core + train_core must fit the {n} cells; "
-            "lower it or add cells"
-        )
-    return out
+        ]
+    return []
 
 
 def build_policy(
-    cfg: SchedulerConfig, *, n_cells: int, rollout_cells: int, batch: int, max_lag: int
+    cfg: SchedulerConfig,
+    *,
+    n_cells: int,
+    rollout_cells: int,
+    batch: int,
+    max_lag: int,
+    timeout_s: float,
 ):
     """The policy object of ``cfg.mode`` — the same classes the simulator drives.
 
-    ``max_lag`` is the run's one lag bound (``train.max_staleness``): policies schedule for
-    it and the trainer enforces it.
+    ``max_lag`` is the run's one lag bound (``train.max_staleness``); ``timeout_s`` the
+    rollout cap (``rollout.timeout_s``), which bounds how long a step may wait for the
+    oldest rollout.
     """
-    from tasks.sched.modes import Async, Colocate, Elastic
+    from tasks.sched.modes import Async, AsyncStream, Colocate, Elastic
     from tasks.sched.waterlevel import Marks
 
+    cost = {"train_s_per_sample": cfg.train_s_per_group, "dp_sync_s": cfg.dp_sync_s}
     if cfg.mode == "colocate":
-        return Colocate(batch=batch)
-    if cfg.mode == "async":
-        return Async(batch=batch, rollout_cells=rollout_cells)
+        return Colocate(batch=batch, **cost)
+    if cfg.mode in ("async", "async-stream"):
+        cls = Async if cfg.mode == "async" else AsyncStream
+        return cls(batch=batch, rollout_cells=rollout_cells, max_lag=max_lag, **cost)
     return Elastic(
         batch=batch,
-        marks=Marks(low=cfg.low_mark * batch, high=cfg.high_mark * batch),
         core=min(cfg.core, n_cells - 1),
-        train_s_per_sample=cfg.train_s_per_group,
-        dp_sync_s=cfg.dp_sync_s,
-        move_step=cfg.move_step,
-        min_train=cfg.train_core,
+        timeout_s=timeout_s,
+        marks=Marks(low=cfg.low_mark, high=cfg.high_mark),
+        max_lag=max_lag,
         min_dwell_s=cfg.min_dwell_s,
-        refresh_lag=max(1, max_lag),
+        **cost,
     )
 
 

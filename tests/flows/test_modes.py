@@ -3,7 +3,8 @@
 Each run is checked through what a user sees (the SQL views and the run's report files):
 the steps were trained, no harness call failed, the ledger holds every consumed sample
 exactly once (across the DP group's joins and leaves in elastic), every sample's policy lag
-is recorded, and every role change is in ``cells`` with its reason.
+is recorded, every role change is in ``cells`` with its reason, and each mode keeps the lag
+bound (``train.max_staleness=1``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ COMMON = [
 MODES = {
     "colocate": ["train.steps=2"],
     "async": ["train.steps=3"],
-    # marks of one group and no dwell: training grows and shrinks while sessions run
+    # tight marks and no dwell: train cells are lent to rollout between steps and come back
     "elastic": [
-        "train.steps=6",
-        "scheduler.high_mark=1",
+        "train.steps=5",
         "scheduler.low_mark=0.5",
+        "scheduler.high_mark=1.5",
         "scheduler.min_dwell_s=0",
         "scheduler.train_s_per_group=2",
         "scheduler.dp_sync_s=0.05",
@@ -87,8 +88,5 @@ def test_mode_end_to_end(prefect_harness, tmp_path, mode):
         assert all(r["n_members"] == 3 for r in rows) and summary["lag_max"] == 0
     if mode == "async":
         assert summary["switches"] == 0 and summary["lag_max"] <= 1
-    if mode == "elastic":
-        assert summary["switches"] > 0
-        gens = {r["generation"] for r in rows}
-        members = {r["n_members"] for r in rows}
-        assert len(gens) > 1 and len(members) > 1, rows  # the DP group changed mid-run
+    if mode == "elastic":  # joins and leaves of the DP group: tests/infra/cells/test_ledger_dp.py
+        assert summary["switches"] > 0 and summary["lag_max"] <= 1

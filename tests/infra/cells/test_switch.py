@@ -61,8 +61,10 @@ class ThreadWork:
         self.gw, self.store, self.run_id = gw, store, run_id
         self.pool = cf.ThreadPoolExecutor(8)
 
-    def rollout(self, index: int) -> _Job:
-        spec = GroupSpec(index, f"g{index}", 100 + index, RCFG.subtasks, env_step_s=0.15)
+    def rollout(self, index: int, cell_id: str) -> _Job:
+        spec = GroupSpec(
+            index, f"g{index}", 100 + index, RCFG.subtasks, env_step_s=0.15, cell_id=cell_id
+        )
         return _Job(
             self.pool.submit(
                 roll_out_group,

@@ -27,6 +27,7 @@ from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
 from infra.gateway.config import GatewayConfig
 from tasks.env.config import RolloutConfig
+from tasks.sched.config import SchedulerConfig, cell_problems
 from tasks.train.config import TrainConfig
 
 SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -49,6 +50,26 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_dist(cls, data: Any) -> Any:
+        """The trainer scores tokens under the distribution the rollouts sampled from:
+        unset ``train.temperature``/``train.top_p`` take the rollout's (greedy rollouts,
+        temperature 0, have no distribution: the trainer then uses 1)."""
+        if not isinstance(data, dict):
+            return data
+        rollout = data.get("rollout") or {}
+        train = dict(data.get("train") or {})
+        if not isinstance(rollout, dict):
+            return data
+        if train.get("temperature") is None:
+            t = rollout.get("temperature", RolloutConfig.model_fields["temperature"].default)
+            train["temperature"] = float(t) if isinstance(t, int | float) and t > 0 else 1.0
+        if train.get("top_p") is None:
+            train["top_p"] = rollout.get("top_p", RolloutConfig.model_fields["top_p"].default)
+        return {**data, "train": train}
 
     @field_validator("run_id")
     @classmethod
@@ -82,6 +103,9 @@ class RunConfig(BaseModel):
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (calls would be refused); "
                 f"set it to at least {8 * self.rollout.max_new_tokens} plus the context you expect"
             )
+        problems += cell_problems(
+            self.scheduler, self.cluster.rollout_cells, self.cluster.train_cells
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self

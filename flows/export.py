@@ -93,6 +93,7 @@ def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[d
             advantage=advantage,
             scores=scores,
             layout="flat",
+            filter_zero_variance=False,  # a dataset keeps every branch; its user decides
         )
         for s in samples:
             rows.append(_row(s))

@@ -21,7 +21,7 @@ from storage.store import Store
 from storage.tito import TitoRecord
 from tasks.handles import ProcessedStep, SessionHandle
 from tasks.train.config import TrainConfig
-from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.sampler import Sample, build_samples, zero_variance_groups
 from tasks.trajectory.scoring import Score, score_rollout, scores_at_requests
 from tasks.trajectory.tree import build_trees, root_session
 
@@ -48,6 +48,8 @@ def process_sessions(
     advantage: str = "grpo",
     max_staleness: int | None = None,
     stale_policy: str = "drop",
+    normalize_std: bool = True,
+    filter_zero_variance: bool = True,
 ) -> ProcessedStep:
     """The body of ``process_step`` (callable without Prefect, e.g. in tests).
 
@@ -109,10 +111,11 @@ def process_sessions(
         )
     store.append("rollouts", rollout_rows)
 
+    groups = {s.session_id: s.group_id for s in sessions if s.session_id in rewards}
     samples = build_samples(
         trees,
         rewards,
-        {s.session_id: s.group_id for s in sessions if s.session_id in rewards},
+        groups,
         run_id=run_id,
         step=step,
         advantage=advantage,
@@ -120,8 +123,13 @@ def process_sessions(
         current_version=current_version,
         max_staleness=max_staleness,
         stale_policy=stale_policy,
+        normalize_std=normalize_std,
+        filter_zero_variance=filter_zero_variance,
     )
-    seg = store.append("samples", [s.to_row() for s in samples])
+    flat = zero_variance_groups(
+        rewards, groups, advantage=advantage, scores=scores, normalize_std=normalize_std
+    )
+    seg = store.append("samples", [_sample_row(s) for s in samples])
     return ProcessedStep(
         step=step,
         samples_segment=seg,
@@ -132,20 +140,37 @@ def process_sessions(
         tokens_unique=int(sum(r["n_tokens_unique"] for r in rollout_rows)),
         tokens_flat=int(sum(r["n_tokens_flat"] for r in rollout_rows)),
         reward_mean=float(np.mean(list(rewards.values()))) if rewards else 0.0,
+        zero_variance_groups=len(flat),
+        version_min=min(
+            (int(s.versions[s.versions >= 0].min()) for s in samples if (s.versions >= 0).any()),
+            default=-1,
+        ),
     )
 
 
-@task(name="process-step", task_run_name="process-step-{step}")
-def process_step(
+def _sample_row(s: Sample) -> dict[str, Any]:
+    """The stored row: the sample plus the policy versions of its trainable tokens."""
+    v = s.versions[(s.versions >= 0) & s.trainable_mask]
+    lo, hi = (int(v.min()), int(v.max())) if v.size else (-1, -1)
+    return {**s.to_row(), "version_min": lo, "version_max": hi}
+
+
+@task(name="process-group", task_run_name="process-g{index}")
+def process_group(
     store: Store,
     run_id: str,
+    index: int,
     step: int,
     sessions: list[SessionHandle],
     current_version: int,
     cfg: TrainConfig,
     since_ns: int | None = None,
 ) -> ProcessedStep:
-    """Trees, scores and samples of one step's sessions."""
+    """Trees, scores and samples of one finished group, as soon as it finished (streaming).
+
+    Staleness is not judged here: the lag of a sample is known only when a step takes it,
+    and the step enforces the bound (tasks/train_step.py).
+    """
     out = process_sessions(
         store,
         run_id,
@@ -155,14 +180,14 @@ def process_step(
         since_ns=since_ns,
         reward_aggregation=cfg.reward_aggregation,
         advantage=cfg.advantage,
-        max_staleness=cfg.max_staleness,
-        stale_policy=cfg.stale_policy,
+        max_staleness=None,
+        normalize_std=cfg.normalize_std,
+        filter_zero_variance=cfg.filter_zero_variance,
     )
     get_run_logger().info(
-        "step %d: %d calls -> %d nodes, %d samples; unique/flat tokens %d/%d; reward %.3f",
-        step,
+        "group %d: %d calls -> %d samples; unique/flat tokens %d/%d; reward %.3f",
+        index,
         out.n_calls,
-        out.n_nodes,
         out.n_samples,
         out.tokens_unique,
         out.tokens_flat,

@@ -4,15 +4,24 @@ The task comes from the configured suite (``rollout.suite``, tasks/env/suite.py)
 session gets its own environment, its own private directory and its own API key from the
 gateway; the harness (``rollout.harness``) sees only the base URL and the key. The
 suite's evaluator scores every session whatever happened, and the scores are written to
-the store: a failed or timed-out session is scored on what it finished, with the reason.
+the store: a failed, timed-out or stopped session is scored on what it finished, with
+the reason.
+
+Sessions run on threads of their own, so an environment that takes its time between two
+model calls (``GroupSpec.env_step_s``: a tool, a test run) holds up only its own session.
+A run that ends stops its rollouts cooperatively: each session checks the run's stop event
+at its next environment step (a Prefect cancel does not stop a running Dask task).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,9 +42,13 @@ from tasks.env.suite import (
     check_env,
     load_suite,
 )
-from tasks.handles import SessionHandle
+from tasks.handles import GroupSpec, SessionHandle
 
 log = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The run is over: the session ends at this environment step (scored as unfinished)."""
 
 
 def new_session(
@@ -68,12 +81,45 @@ def harness_settings(cfg: RolloutConfig, seed: int) -> HarnessSettings:
     )
 
 
-async def _run_session(harness, ctx: HarnessContext, timeout_s: float) -> Outcome:
+class SlowEnv:
+    """An environment whose every step (a graded answer, a tool call) takes time: a
+    log-normal draw around ``median_s``, long-tailed by ``sigma`` (pacing of the world the
+    agent acts in). Checks ``stopped()`` first, so a finished run ends its sessions."""
+
+    def __init__(self, env: Any, median_s: float, sigma: float, seed: int, stopped=None):
+        self._env = env
+        self._median, self._sigma = median_s, sigma
+        self._rng = random.Random(seed)
+        self._stopped = stopped or (lambda: False)
+
+    def _step(self) -> None:
+        if self._stopped():
+            raise Stopped("the run ended")
+        if self._median > 0:
+            time.sleep(self._median * math.exp(self._sigma * self._rng.gauss(0.0, 1.0)))
+
+    def submit(self, *args, **kwargs):
+        self._step()
+        return self._env.submit(*args, **kwargs)
+
+    def call_tool(self, *args, **kwargs):
+        self._step()
+        return self._env.call_tool(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
+async def run_session(harness, ctx: HarnessContext, timeout_s: float) -> Outcome:
+    """Run one session of the harness against the gateway; never raises (the harness is a
+    black box: record, never drop)."""
     try:
         res = await asyncio.wait_for(harness(ctx), timeout=timeout_s)
         return Outcome("finished", "", getattr(res, "calls", 0) or 0)
     except TimeoutError:
         return Outcome("timeout", f"rollout exceeded {timeout_s}s")
+    except Stopped as exc:
+        return Outcome("unfinished", str(exc))
     except Exception as exc:  # the harness is a black box: record, never drop
         return Outcome("failed", f"{type(exc).__name__}: {exc}"[:500])
 
@@ -91,61 +137,86 @@ def _evaluate(suite, env, outcome: Outcome) -> list[SubtaskScore]:
         ]
 
 
-def rollout_sessions(
+def _watch_stop(ev: Any, stop: threading.Event, done: threading.Event) -> None:
+    """Poll the run's distributed stop event ``ev`` once a second until ``done``; mirror it
+    into ``stop`` (a plain flag the session threads read for free)."""
+    while not done.wait(1.0):
+        try:
+            if ev.is_set():
+                stop.set()
+                return
+        except Exception as exc:  # the scheduler is unreachable: keep going, say so
+            log.warning("stop event unreadable: %s", exc)
+
+
+def roll_out_group(
     gateway_url: str,
     admin_token: str,
     store: Store,
     run_id: str,
-    step: int,
-    group_id: str,
-    task_seed: int,
+    spec: GroupSpec,
     cfg: RolloutConfig,
+    stop_event: str | None = None,
 ) -> list[SessionHandle]:
-    """The body of ``rollout_group`` (callable without Prefect, e.g. in tests)."""
-    suite = load_suite(cfg.suite, **cfg.suite_options())
+    """The body of ``rollout_group`` (callable without Prefect)."""
+    options = {**cfg.suite_options(), "subtasks": spec.subtasks or cfg.subtasks}
+    suite = load_suite(cfg.suite, **options)
     harness = make_harness(cfg.harness)
-    task_ = suite.task(task_seed)
-    root = tempfile.mkdtemp(prefix=f"gyre-{group_id}-")
+    task_ = suite.task(spec.task_seed)
+    root = tempfile.mkdtemp(prefix=f"gyre-{spec.group_id}-")
+    stop, done = threading.Event(), threading.Event()
     envs, keys, sids = [], [], []
+    outcomes: list[Outcome | None] = []
     try:
         for i in range(cfg.group_size):
             workdir = tempfile.mkdtemp(prefix=f"s{i}-", dir=root)
             env = suite.start(task_, workdir)
+            envs.append(env)
             if i == 0 and (problems := check_env(env)):
                 raise SuiteError([f"rollout.suite={cfg.suite!r}: {p}" for p in problems])
             sid, key = new_session(
                 gateway_url,
                 admin_token,
-                group_id,
-                {"step": step, "task_id": task_.task_id, "member": i},
+                spec.group_id,
+                {
+                    "step": spec.step,
+                    "task_id": task_.task_id,
+                    "member": i,
+                    "group": spec.index,
+                    "cell_id": spec.cell_id,  # the gateway starts the session there
+                },
             )
-            envs.append(env)
             keys.append(key)
             sids.append(sid)
+        outcomes = [None] * len(envs)
 
-        async def _all():
-            return await asyncio.gather(
-                *[
-                    _run_session(
-                        harness,
-                        HarnessContext(
-                            gateway_url,
-                            k,
-                            e,
-                            harness_settings(cfg, cfg.seed * 100_003 + task_seed * 101 + i),
-                        ),
-                        cfg.timeout_s,
-                    )
-                    for i, (k, e) in enumerate(zip(keys, envs, strict=True))
-                ]
-            )
+        def one(i: int) -> None:
+            seed = cfg.seed * 100_003 + spec.task_seed * 101 + i
+            env = SlowEnv(envs[i], spec.env_step_s, spec.env_step_sigma, seed, stop.is_set)
+            ctx = HarnessContext(gateway_url, keys[i], env, harness_settings(cfg, seed))
+            outcomes[i] = asyncio.run(run_session(harness, ctx, cfg.timeout_s))
 
-        outcomes = asyncio.run(_all())
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(envs))]
+        for t in threads:
+            t.start()
+        watcher = None
+        if stop_event:
+            from distributed import Event, get_client
+
+            # the worker's client, taken on the task's thread (another thread cannot find it)
+            ev = Event(stop_event, client=get_client())
+            watcher = threading.Thread(target=_watch_stop, args=(ev, stop, done), daemon=True)
+            watcher.start()
+        for t in threads:  # run_session bounds itself (cfg.timeout_s); the join adds a margin
+            t.join(timeout=cfg.timeout_s + 60)
+        done.set()
+        if watcher is not None:
+            watcher.join(timeout=5)
+        final = [o or Outcome("failed", "session thread did not end") for o in outcomes]
         with ThreadPoolExecutor(max_workers=min(4, len(envs))) as pool:
-            scored = list(
-                pool.map(lambda eo: _evaluate(suite, *eo), zip(envs, outcomes, strict=True))
-            )
+            scored = list(pool.map(lambda eo: _evaluate(suite, *eo), zip(envs, final, strict=True)))
     finally:
+        done.set()
         for env in envs:
             try:
                 env.close()
@@ -153,14 +224,14 @@ def rollout_sessions(
                 log.exception("closing an environment failed")
         shutil.rmtree(root, ignore_errors=True)
     rows, handles = [], []
-    for sid, out, scores in zip(sids, outcomes, scored, strict=True):
+    for sid, out, scores in zip(sids, final, scored, strict=True):
         rows += [{"run_id": run_id, "session_id": sid, **s.row()} for s in scores]
         handles.append(
             SessionHandle(
                 session_id=sid,
-                group_id=group_id,
+                group_id=spec.group_id,
                 task_id=task_.task_id,
-                step=step,
+                step=spec.step,
                 status=out.status,
                 subtasks=task_.weights,
                 reason=out.reason,
@@ -171,29 +242,25 @@ def rollout_sessions(
     return handles
 
 
-@task(name="rollout-group", task_run_name="rollout-{group_id}")
+@task(name="rollout-group", task_run_name="rollout-{spec.group_id}")
 def rollout_group(
     gateway_url: str,
     admin_token: str,
     store: Store,
     run_id: str,
-    step: int,
-    group_id: str,
-    task_seed: int,
+    spec: GroupSpec,
     cfg: RolloutConfig,
+    stop_event: str | None = None,
 ) -> list[SessionHandle]:
     """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
     t0 = time.monotonic()
-    handles = rollout_sessions(
-        gateway_url, admin_token, store, run_id, step, group_id, task_seed, cfg
-    )
-    n_calls = sum(h.calls for h in handles)
+    handles = roll_out_group(gateway_url, admin_token, store, run_id, spec, cfg, stop_event)
     bad = [h for h in handles if h.status != "finished"]
     get_run_logger().info(
         "group %s: %d sessions, %d calls in %.1fs%s",
-        group_id,
+        spec.group_id,
         len(handles),
-        n_calls,
+        sum(h.calls for h in handles),
         time.monotonic() - t0,
         f", {len(bad)} not finished" if bad else "",
     )

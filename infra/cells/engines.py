@@ -1,4 +1,4 @@
-"""The engine of a rollout cell: start it in the cell's process, load new weights.
+"""The engine of a rollout cell: start it in the cell's process, park it, load new weights.
 
 These run inside a cell through ``Cells.run_on(address, fn, ...)``, which hands
 them the cell's ``CellPlugin``. Weight loads go through the engine client
@@ -29,36 +29,75 @@ def start_engine(
     max_batch_size: int = 16,
     kv_cache_tokens: int = 262_144,
     audit_dir: str | None = None,
+    decode_step_s: float = 0.0,
+    prefill_tokens_per_s: float = 0.0,
 ) -> str:
     """Start (once) the embedded engine and its HTTP server in this cell; returns its URL.
 
-    ``audit_dir``: the engine appends every request it admits to
-    ``{audit_dir}/{cell_id}.jsonl`` (config ``model.audit_dir``).
+    A cell that left the rollout role keeps its engine parked (see ``park_engine``), so a
+    return to rollout only loads new weights. ``audit_dir``: the engine appends every
+    request it admits to ``{audit_dir}/{cell_id}.jsonl`` (config ``model.audit_dir``).
+    ``decode_step_s`` / ``prefill_tokens_per_s``: paced device time (infra/cells/pacing.py).
     """
+    from infra.cells.pacing import PacedEngine
     from infra.engine.engine import Engine
     from infra.engine.server import EngineServer
 
     with plugin.lock:
         if plugin.server is None:
-            plugin.engine = Engine(
-                model_dir,
-                weight_version=weight_version,
-                max_batch_size=max_batch_size,
-                kv_cache_tokens=kv_cache_tokens,
-                cell_id=cell_id,
-                audit_path=os.path.join(audit_dir, f"{cell_id}.jsonl") if audit_dir else None,
-            )
+            kw = {
+                "weight_version": weight_version,
+                "max_batch_size": max_batch_size,
+                "kv_cache_tokens": kv_cache_tokens,
+                "cell_id": cell_id,
+                "audit_path": os.path.join(audit_dir, f"{cell_id}.jsonl") if audit_dir else None,
+            }
+            if decode_step_s or prefill_tokens_per_s:
+                plugin.engine = PacedEngine(
+                    model_dir,
+                    decode_step_s=decode_step_s,
+                    prefill_tokens_per_s=prefill_tokens_per_s,
+                    **kw,
+                )
+            else:
+                plugin.engine = Engine(model_dir, **kw)
             plugin.server = EngineServer(plugin.engine, host="127.0.0.1", port=0)
             plugin.engine_url = plugin.server.start()
         return plugin.engine_url
 
 
 def load_weights(plugin: Any, store: Store, run_id: str, version: int) -> dict[str, Any]:
-    """Fetch checkpoint ``version`` to this cell and swap it into the engine."""
+    """Fetch checkpoint ``version`` to this cell and swap it into the engine.
+
+    Calls in flight are aborted and resubmitted by the gateway with their partial output
+    (the harness sees nothing), so no recorded call claims a newer version than its oldest
+    token: policy lag is never under-counted.
+    """
     path = fetch_checkpoint(store, run_id, version)
 
     async def update() -> dict[str, Any]:
         async with EngineClient(plugin.engine_url) as client:
-            return await client.update_weights_from_disk(path, version, flush_cache=True)
+            return await client.update_weights_from_disk(
+                path, version, abort_all_requests=True, flush_cache=True
+            )
 
     return asyncio.run(update())
+
+
+def park_engine(plugin: Any) -> dict[str, Any]:
+    """A cell leaving the rollout role keeps its engine, with an empty KV cache (the memory
+    goes to training); returns the engine's load for the record."""
+    eng = plugin.engine
+    if eng is None:
+        return {}
+    eng.flush_cache()
+    load = eng.load()
+    return {"paced_s": getattr(eng, "paced_s", 0.0), **load}
+
+
+def engine_stats(plugin: Any) -> dict[str, Any]:
+    """The cell's engine counters (decode steps, prefill tokens, paced device time)."""
+    eng = plugin.engine
+    if eng is None:
+        return {}
+    return {"paced_s": getattr(eng, "paced_s", 0.0), **eng.load()}

@@ -216,10 +216,23 @@ class GatewayCore:
         else:
             async with s.lock:
                 if s.cell_id is None or s.cell_id not in self.router.engines:
-                    new = self.router.pick_new()
+                    new = self._placed(s) or self.router.pick_new()
                     self.router.assign(s.session_id, new, None)
                     s.cell_id = new.cell_id
         return self.router.engines[s.cell_id]
+
+    def _placed(self, s: Session) -> EngineHandle | None:
+        """The cell a scheduler placed the session on (``meta["cell_id"]`` at creation), if
+        it serves: the scheduler chose it for its weights and its free slots."""
+        h = self.router.engines.get(str((s.meta or {}).get("cell_id") or ""))
+        return h if h is not None and h.state == "active" else None
+
+    async def end_session_async(self, session_id: str) -> None:
+        """See `Gateway.end_session`."""
+        s = self.sessions.get(session_id)
+        h = self.router.engines.get(s.cell_id) if s is not None and s.cell_id else None
+        if h is not None:
+            h.sessions.discard(session_id)
 
     # -- metrics -------------------------------------------------------------------------
     def stats(self) -> dict:

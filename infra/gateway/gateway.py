@@ -13,7 +13,8 @@ a response is the TITO ``request_id``; harnesses report sub-task scores against 
 Sessions are named by API keys (``Authorization: Bearer <key>``), one per rollout, made by
 ``Gateway.new_session`` or the admin endpoint ``POST /gyre/sessions``. Cells join and leave at
 run time (``add_engine`` / ``remove_engine``): a withdrawn cell's sessions continue on another
-cell with their KV moved, and the harness notices nothing.
+cell with their KV moved, and the harness notices nothing. A session created with
+``meta={"cell_id": ...}`` starts on that cell while it serves (a scheduler's placement).
 
 Modules, lowest first: `core` (state) + `pipeline` (the call path), `endpoints` (thin HTTP
 adapters, one SSE pump in `stream`), `server` (the server thread), and this facade that ties
@@ -93,3 +94,9 @@ class Gateway(GatewayCore):
         if self._server is None:
             raise RuntimeError("the gateway is not running; call start() first")
         return self._server.call(self.withdraw(cell_id, drain_timeout), timeout=drain_timeout + 600)
+
+    def end_session(self, session_id: str) -> None:
+        """The session's rollout is over: its cell stops counting it, so placement ignores it
+        and a withdrawal of the cell moves no KV for it (its calls stay readable)."""
+        if self._server is not None:
+            self._server.call(self.end_session_async(session_id), timeout=30)

@@ -17,7 +17,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -178,18 +178,24 @@ class Trainer:
             self.ref_model.eval().requires_grad_(False)
 
     def loss_and_grads(
-        self, samples: Sequence[Sample], current_version: int | None = None
+        self,
+        samples: Sequence[Sample],
+        current_version: int | None = None,
+        *,
+        normalizer: float | None = None,
     ) -> dict[str, float]:
         """Accumulate the step's loss gradients into the model (no optimizer step).
 
         The loss is a token mean over the step: every term is divided by the flat
         trainable-token count of the samples (``Sample.n_flat_trainable``), so the tree
-        loss equals per-branch flat training. Tokens older than ``current_version -
+        loss equals per-branch flat training; a data-parallel member passes the whole
+        batch's ``normalizer`` instead of its shard's. Tokens older than ``current_version -
         max_staleness`` get truncated IS. Returns the raw metrics of
         ``tree_loss_and_grads``."""
         version = self.version if current_version is None else current_version
         min_version = version - self.max_staleness if self.max_staleness is not None else None
-        normalizer = float(sum(s.n_flat_trainable for s in samples)) or 1.0
+        if normalizer is None:
+            normalizer = float(sum(s.n_flat_trainable for s in samples)) or 1.0
         return tree_loss_and_grads(
             self.model,
             samples,
@@ -204,13 +210,24 @@ class Trainer:
         )
 
     def step(
-        self, samples: Sequence[Sample], current_version: int | None = None
+        self,
+        samples: Sequence[Sample],
+        current_version: int | None = None,
+        *,
+        normalizer: float | None = None,
+        reduce_grads: Callable[[torch.nn.Module], None] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on ``samples``; returns ``train/*`` metrics."""
+        """One optimizer step on ``samples``; returns ``train/*`` metrics.
+
+        Data parallel (tasks/train/dp.py): each member passes its shard, the whole batch's
+        ``normalizer`` and ``reduce_grads`` (sums gradients over members before clipping).
+        """
         t0 = time.perf_counter()
         version = self.version if current_version is None else current_version
         self.optimizer.zero_grad(set_to_none=True)
-        m = self.loss_and_grads(samples, version)
+        m = self.loss_and_grads(samples, version, normalizer=normalizer)
+        if reduce_grads is not None:
+            reduce_grads(self.model)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if params:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf

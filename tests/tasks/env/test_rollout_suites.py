@@ -24,8 +24,9 @@ from tasks.env.harness import run_agent
 from tasks.env.repo import load_specs
 from tasks.env.suite import HarnessContext, HarnessSettings, load_suite
 from tasks.env.tools import ToolsSuite
+from tasks.handles import GroupSpec
 from tasks.process import process_sessions
-from tasks.rollout import new_session, rollout_sessions
+from tasks.rollout import new_session, roll_out_group
 from tasks.trajectory.tree import build_trees
 from tests.infra.gateway.fixtures import ScriptedEngine
 
@@ -59,7 +60,8 @@ def served(tmp_path_factory):
 
 
 def _roll(gw, cfg: RolloutConfig, seed: int, group: str):
-    handles = rollout_sessions(gw.url, ADMIN, gw.store, RUN, 0, group, seed, cfg)
+    spec = GroupSpec(index=0, group_id=group, task_seed=seed, subtasks=cfg.subtasks)
+    handles = roll_out_group(gw.url, ADMIN, gw.store, RUN, spec, cfg)
     gw.flush()
     sids = {h.session_id for h in handles}
     scores = [r for r in gw.store.read("scores").to_pylist() if r["session_id"] in sids]

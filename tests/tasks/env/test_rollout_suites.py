@@ -110,8 +110,9 @@ def test_tools_scripted_agent_scores_full_marks(served):
     answer_calls = {r.request_id for r in records if gw.tok.decode(r.output_ids).isdigit()}
     assert {s["at_request_id"] for s in scores} <= answer_calls
     # tool results went back as tool messages: the answer calls' inputs hold them
-    out = process_sessions(gw.store, RUN, 0, handles, current_version=0)
-    assert out.reward_mean == 1.0 and out.n_samples == 1
+    # every session scores 1: a group with no learning signal, kept here to check the tree
+    out = process_sessions(gw.store, RUN, 0, handles, current_version=0, filter_zero_variance=False)
+    assert out.reward_mean == 1.0 and out.n_samples == 1 and out.zero_variance_groups == 1
 
 
 @pytest.mark.slow  # ~15 s: 1,500 teacher-forced tokens and two sandboxed pytest runs

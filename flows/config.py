@@ -23,10 +23,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.warmstart import DEMO_SEED0, WarmStartConfig
 from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
 from infra.gateway.config import GatewayConfig
 from tasks.env.config import RolloutConfig
+from tasks.env.heldout import EvalConfig, eval_seeds, seed_overlap
 from tasks.sched.config import SchedulerConfig, cell_problems
 from tasks.train.config import TrainConfig
 
@@ -51,6 +53,8 @@ class RunConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    eval: EvalConfig = EvalConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -106,9 +110,50 @@ class RunConfig(BaseModel):
         problems += cell_problems(
             self.scheduler, self.cluster.rollout_cells, self.cluster.train_cells
         )
+        problems += self._learning_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+    def _learning_problems(self) -> list[str]:
+        """Held-out seeds never trained on; a warm start that can be built."""
+        problems = []
+        r, e = self.rollout, self.eval
+        if e.every:
+            # groups a run may start: the trained ones plus those in flight when it ends
+            groups = 2 * self.train.steps * r.groups_per_step + 4096
+            demos = range(DEMO_SEED0, DEMO_SEED0 + self.warmstart.demos)
+            hit = seed_overlap(eval_seeds(e), r.seed, groups, [demos])
+            if hit:
+                problems.append(
+                    f"eval.seed0={e.seed0}: held-out seeds {hit[:3]} are also drawn for training "
+                    f"(rollout.seed={r.seed}) or the warm start (abs value: CPython seeds "
+                    f"random.Random by it); move eval.seed0 away (default {EvalConfig().seed0})"
+                )
+        if self.warmstart.enabled and not _has_demonstrations(r):
+            problems.append(
+                f"warmstart.enabled=true: rollout.suite={r.suite!r} has no demonstrations(n, "
+                "seed) to learn from; use a suite that has them (tools, repo) or turn "
+                "warmstart.enabled off"
+            )
+        if self.warmstart.enabled and self.model.path is not None:
+            problems.append(
+                f"warmstart.enabled=true with model.path={self.model.path!r}: a warm start "
+                "begins from the tiny model; set model.path to its output (gyre warmstart "
+                "--out DIR) or turn warmstart.enabled off"
+            )
+        return problems
+
+
+def _has_demonstrations(r: RolloutConfig) -> bool:
+    from tasks.env.suite import SuiteError, load_suite
+
+    try:
+        suite = load_suite(r.suite, **r.suite_options())
+    except SuiteError:
+        return True  # reported by rollout.suite's own check
+    return callable(getattr(suite, "demonstrations", None))
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -23,8 +23,10 @@ from prefect_dask import DaskTaskRunner
 
 from flows import live
 from flows.config import RunConfig, load_config
+from flows.evaluation import write_learning
 from flows.preflight import preflight
 from flows.schedule import schedule
+from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, start_cells
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
@@ -78,7 +80,7 @@ def rl_run(
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
     t0 = time.monotonic()
-    model_dir = cfg.model.path or make_tiny_model(seed=cfg.model.seed)
+    model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
     version = latest_version(st, run_id)
     if version is None:
         publish_checkpoint(st, run_id, model_dir, 0)
@@ -139,6 +141,7 @@ def rl_run(
         "report": loop["report"]["dir"],
         "seconds": round(time.monotonic() - t0, 1),
     }
+    summary = write_learning(st, run_id, summary)  # held-out figures, curve, summary.json
     create_markdown_artifact(
         key="rl-run-summary",
         markdown="\n".join(

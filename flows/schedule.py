@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from flows import live
 from flows.config import RunConfig
+from flows.evaluation import HeldOut
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
 from storage.store import Store
@@ -206,6 +207,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         seed=sc.seed,
     )
     work.by_cell_id = {ex.cell_id(i): a for i, a in enumerate(ex.addrs)}
+    held = HeldOut(run_id, cfg, store, gateway, start_version)  # held-out evaluations
     roles = coord.state().cells
     ex.start(tuple(c.role for c in roles), f"{sc.mode}: initial roles")
     logger.info(
@@ -225,6 +227,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         while True:
             for ev in ex.events(timeout=sc.tick_s):
                 coord.handle(ev)
+            held.poll(ex)
             if ex.stats.steps >= cfg.train.steps:
                 break
             state = coord.state()
@@ -243,7 +246,11 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         bar.close()
         DaskEvent(stop_event).set()
         _drain(ex, cfg, logger)
-        ex.close()
+        try:
+            if ex.stats.steps >= cfg.train.steps:
+                held.finish(ex)  # the final version's held-out evaluation
+        finally:
+            ex.close()
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
     logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])

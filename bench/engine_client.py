@@ -1,11 +1,12 @@
-"""`EngineClient` cost per call: the raw-asyncio HTTP/1.1 pool vs the httpx path, side by side.
+"""`EngineClient` cost per call, per transport: gyre's raw-asyncio HTTP/1.1 pool, aiohttp, httpx.
 
 A stub engine (Starlette on uvicorn, in a child process, answering ``/generate`` with a canned
 SGLang-shaped response and ``/health``) takes the calls, so what is measured is the client: the
-client process's CPU per call (``time.thread_time``, the event loop's own cost) and calls/s, at
-1 and 64 concurrent callers. Transports alternate in blocks (medians over blocks), so drift
-hits both alike. ``httpx`` is the same `EngineClient` with ``transport=httpx.AsyncHTTPTransport``
-(what every call went through before `infra.engine_api.http1`).
+client process's CPU per call (``time.thread_time``, the event loop's own cost; uvloop, as in
+the gateway) and calls/s, at 1 and 64 concurrent callers. Transports alternate in blocks
+(medians over blocks), so drift hits all alike. ``httpx`` is the same `EngineClient` with
+``transport=httpx.AsyncHTTPTransport`` (what every call went through before
+`infra.engine_api.http1`); ``aiohttp`` is ``transport="aiohttp"``.
 
     python bench/engine_client.py [--quick] [--json PATH]
 """
@@ -21,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import uvloop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,8 +75,8 @@ def _client(kind: str, url: str):
 
     from infra.engine_api.client import EngineClient
 
-    if kind == "http1":
-        return EngineClient(url)
+    if kind in ("http1", "aiohttp"):
+        return EngineClient(url, transport=kind)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     return EngineClient(url, transport=httpx.AsyncHTTPTransport(limits=limits))
 
@@ -117,24 +120,23 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         url = p.stdout.readline().strip()
         time.sleep(0.5)
-        kinds = ("httpx", "http1")
+        kinds = ("httpx", "http1", "aiohttp")
         for op, conc in (("health", 1), ("generate", 1), ("generate", 64)):
             res: dict = {k: [] for k in kinds}
             for b in range(blocks):
                 for k in kinds if b % 2 == 0 else kinds[::-1]:
-                    res[k].append(asyncio.run(_block(k, url, op, conc, max(1, calls // conc))))
+                    res[k].append(uvloop.run(_block(k, url, op, conc, max(1, calls // conc))))
             for k in kinds:
                 out[f"{op}_c{conc}/{k}_us_per_call"] = statistics.median(r[0] for r in res[k])
                 out[f"{op}_c{conc}/{k}_calls_per_s"] = statistics.median(r[1] for r in res[k])
     finally:
         p.terminate()
         p.wait(30)
-    print(f"{'op, callers':<18}{'httpx us/call':>15}{'http1 us/call':>15}{'ratio':>8}"
-          f"{'httpx calls/s':>15}{'http1 calls/s':>15}")  # fmt: skip
+    print(f"{'op, callers':<18}" + "".join(f"{k + ' us/call':>16}" for k in kinds)
+          + "".join(f"{k + ' calls/s':>16}" for k in kinds))  # fmt: skip
     for key in sorted({k.split("/")[0] for k in out}):
-        a, b = out[f"{key}/httpx_us_per_call"], out[f"{key}/http1_us_per_call"]
-        qa, qb = out[f"{key}/httpx_calls_per_s"], out[f"{key}/http1_calls_per_s"]
-        print(f"{key:<18}{a:>15.0f}{b:>15.0f}{a / b:>7.1f}x{qa:>15.0f}{qb:>15.0f}")
+        print(f"{key:<18}" + "".join(f"{out[f'{key}/{k}_us_per_call']:>16.0f}" for k in kinds)
+              + "".join(f"{out[f'{key}/{k}_calls_per_s']:>16.0f}" for k in kinds))  # fmt: skip
     print("us/call: client process CPU per call (medians over blocks); calls/s: wall-clock,")
     print("with the stub server's own CPU on the same 2 cores")
     if args.json:

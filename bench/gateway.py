@@ -1,22 +1,29 @@
-"""Gateway overhead: added latency of gateway + TITO recording over a direct engine call.
+"""Gateway overhead: its CPU per call against a stub engine, and added latency over a real one.
 
-Side by side in one run, at 1, 16 and 64 concurrent sessions: the same tiny call (a short
-chat, ``max_tokens`` 1 so that engine time is small) sent
+Two parts, each with the gateway in its own process (as deployed) and a lean load generator
+(raw asyncio HTTP/1.1 keep-alive connections, so that the client's own CPU does not crowd the
+2 cores; httpx costs ~1.5-10 ms of CPU per call):
 
-* **direct**: ``POST /generate`` to the engine with the token ids the gateway would send;
-* **gateway**: ``POST /v1/chat/completions`` through the gateway (templating, parent lookup,
-  routing, TITO record fsynced before the answer).
+* **stub engine** (``gateway_cpu_ms_per_call``, ``gateway_calls_per_s``): a stub that answers
+  ``/generate`` instantly (a canned SGLang answer), in its own process, so that engine compute
+  cannot hide gateway cost. One gateway process pinned to one core (``os.sched_setaffinity``),
+  the stub and the load generator on the other; 64 concurrent sessions of short chat calls
+  (templating, parent lookup, engine call, TITO record fsynced before each answer). Reported:
+  the gateway process's CPU seconds (all its threads, ``time.process_time``) per call, and
+  calls/s with the gateway saturating its core (with its CPU utilisation, to tell whether the
+  gateway or the load generator was the limit). Medians over blocks.
+* **real engine** (``added_p50_ms_64``, ``added_p99_ms_64``): the same tiny chat call
+  (``max_tokens`` 1) sent at 1, 16 and 64 concurrent sessions *direct* (``POST /generate`` to
+  the embedded engine with the ids the gateway would send) and *through the gateway*; added =
+  gateway - direct percentiles, paths interleaved in blocks so drift hits both alike. ``own``:
+  per call, gateway latency minus the engine round trip the gateway measured
+  (``x-gyre-engine-ms``).
 
-Engine, gateway and the load generator run as three processes (as in a deployment; one
-process would put all three behind one GIL). Reported per concurrency level: p50/p99 of both
-paths, ``added_p50/p99 = gateway - direct`` percentiles, and ``own_p50/p99``: per request, the
-gateway's end-to-end latency minus the engine round trip the gateway itself measured (header
-``x-gyre-engine-ms``) — the gateway's own cost, free of engine-time noise.
+``--transports http1,aiohttp`` runs one gateway per engine-client transport side by side in
+the stub part (blocks alternate), to price the transport in gateway CPU per call.
+``--profile PATH`` writes a py-spy profile of the gateway under the stub load.
 
-``--compare-httpx`` adds a path ``gateway_httpx``: the same gateway with its `EngineClient`
-on the former httpx transport, side by side with the default raw-asyncio one (`infra.engine_api.http1`).
-
-    python bench/gateway.py [--quick] [--compare-httpx] [--json PATH]
+    python bench/gateway.py [--quick] [--json PATH] [--stub-only] [--transports http1,aiohttp]
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,23 +44,25 @@ sys.path.insert(0, ROOT)
 
 ADMIN = "bench-admin"
 LEVELS = (1, 16, 64)
+STUB_CONC = 64
+MSGS = [{"role": "user", "content": "Say one word."}]
+TURNS = 8  # stub part: turns per conversation before it starts over
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {cpu})
+
+
+# -- child processes ----------------------------------------------------------------------------
 
 
 def _serve_gateway(args) -> None:
-    """Child process: a gateway in front of the engine; prints its URL, runs until stdin ends."""
+    """Child: a gateway in front of ``--engine``; prints its URL, runs until stdin closes."""
+    _pin(args.cpu)
     from infra.gateway.gateway import Gateway
     from storage.store import Store
 
-    if args.httpx_client:  # the former transport, for --compare-httpx
-        import httpx
-
-        import infra.gateway.router
-        from infra.engine_api.client import EngineClient
-
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        infra.gateway.router.EngineClient = lambda url: EngineClient(
-            url, transport=httpx.AsyncHTTPTransport(limits=limits)
-        )
     gw = Gateway(
         Store(args.store),
         run_id="bench",
@@ -59,6 +70,7 @@ def _serve_gateway(args) -> None:
         spool_dir=args.spool,
         admin_token=ADMIN,
         wal_fsync=not args.no_fsync,
+        engine_transport=None if args.transport == "default" else args.transport,
     )
     gw.add_engine("e0", args.engine)
     print(gw.start(), flush=True)
@@ -67,25 +79,216 @@ def _serve_gateway(args) -> None:
 
 
 def _serve_engine(args) -> None:
-    """Child process: the embedded engine's own app (``engine_server.build_app``) on uvicorn.
-
-    Served here rather than via ``EngineServer`` only to bind with ``IPPROTO_TCP`` (asyncio
-    then sets TCP_NODELAY on connections); see the report in bench output.
-    """
-    import socket
-
-    import uvicorn
-
+    """Child: the embedded engine on its HTTP server; prints its URL."""
     from infra.engine.engine import Engine
-    from infra.engine.server import build_app
+    from infra.engine.server import EngineServer
 
     engine = Engine(args.model, max_batch_size=64)
+    print(EngineServer(engine).start(), flush=True)
+    sys.stdin.read()
+
+
+class _StubEngine(asyncio.Protocol):
+    """A stub SGLang server: ``/generate`` answers a canned 2-token reply at once."""
+
+    def __init__(self, answers: dict[bytes, bytes], stream_answer: bytes):
+        self.answers = answers
+        self.stream_answer = stream_answer
+        self.buf = bytearray()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = bytes(self.buf[:i]).lower()
+            j = head.find(b"content-length:")
+            n = (
+                int(head[j + 15 : head.find(b"\r\n", j) if head.find(b"\r\n", j) > 0 else None])
+                if j >= 0
+                else 0
+            )
+            if len(self.buf) < i + 4 + n:
+                return
+            body = bytes(self.buf[i + 4 : i + 4 + n])
+            del self.buf[: i + 4 + n]
+            path = head.split(b" ", 2)[1]
+            if path == b"/generate" and b'"stream":true' in body:
+                self.transport.write(self.stream_answer)
+            else:
+                self.transport.write(self.answers.get(path, self.answers[b"404"]))
+
+
+def _http_answer(body: bytes, status: str = "200 OK", ctype: bytes = b"application/json") -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-length: {len(body)}\r\n".encode()
+        + b"content-type: " + ctype + b"\r\n\r\n" + body
+    )  # fmt: skip
+
+
+def _serve_stub(args) -> None:
+    """Child: the stub engine; prints its URL."""
+    import socket
+
+    import uvloop
+
+    from infra.gateway.chat import ChatTokenizer
+
+    _pin(args.cpu)
+    tok = ChatTokenizer(args.model)
+    out = [*tok.encode("Hi"), tok.im_end_id]
+    gen = {
+        "text": "Hi",
+        "output_ids": out,
+        "meta_info": {
+            "id": "stub",
+            "finish_reason": {"type": "stop", "matched": tok.im_end_id},
+            "prompt_tokens": 10,
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "weight_version": "0",
+            "output_token_logprobs": [[-0.5, t, None] for t in out],
+        },
+    }
+    info = {"max_context_length": 32768, "vocab_size": tok.vocab_size, "weight_version": "0"}
+    answers = {
+        b"/generate": _http_answer(json.dumps(gen).encode()),
+        b"/get_model_info": _http_answer(json.dumps(info).encode()),
+        b"/get_server_info": _http_answer(json.dumps(info).encode()),
+        b"/health": _http_answer(b""),
+        b"/abort_request": _http_answer(b'{"success": true}'),
+        b"404": _http_answer(b'{"error": {"message": "not found"}}', "404 Not Found"),
+    }
+    chunk = b"data: " + json.dumps(gen).encode() + b"\n\ndata: [DONE]\n\n"
+    stream = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n"
+    )  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
     print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
-    cfg = uvicorn.Config(build_app(engine), log_level="warning", access_log=False, lifespan="off")
-    uvicorn.Server(cfg).run(sockets=[sock])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _StubEngine(answers, stream), sock=sock)
+        await loop.run_in_executor(None, sys.stdin.read)
+        server.close()
+
+    uvloop.run(main())
+
+
+# -- load generator -----------------------------------------------------------------------------
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive client connection; ``call`` sends a prepared request, awaits the answer."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.sent = 0
+        self.lost = True
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.waiter is not None and not self.waiter.done():
+            got = self._answer()
+            if got is not None:
+                self.waiter.set_result(got)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection lost: {exc!r}"))
+
+    def _answer(self) -> tuple[int, bytes, bytes] | None:
+        i = self.buf.find(b"\r\n\r\n")
+        if i < 0:
+            return None
+        head = bytes(self.buf[:i]).lower()
+        j = head.find(b"content-length:")
+        if j < 0:  # chunked: wait for the last chunk
+            k = self.buf.find(b"\r\n0\r\n\r\n", i)
+            if k < 0:
+                return None
+            end = k + 7
+        else:
+            e = head.find(b"\r\n", j)
+            end = i + 4 + int(head[j + 15 : e if e > 0 else None])
+            if len(self.buf) < end:
+                return None
+        body = bytes(self.buf[i + 4 : end])
+        del self.buf[:end]
+        return int(head[9:12]), head, body
+
+    async def call(self, request: bytes) -> tuple[int, bytes, bytes]:
+        for attempt in (0, 1):  # a server may close a keep-alive connection that idled
+            if self.lost:
+                self.buf.clear()
+                loop = asyncio.get_running_loop()
+                await loop.create_connection(lambda: self, self.host, self.port)
+            self.waiter = asyncio.get_running_loop().create_future()
+            self.transport.write(request)
+            try:
+                return await self.waiter
+            except ConnectionError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+
+def _request(path: str, body: dict, key: str | None) -> bytes:
+    data = json.dumps(body).encode()
+    auth = f"authorization: Bearer {key}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: bench\r\n{auth}content-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+
+async def _connect(url: str, n: int) -> list[_Conn]:
+    host, port = url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    conns = [_Conn(host, int(port)) for _ in range(n)]
+    for c in conns:
+        await loop.create_connection(lambda c=c: c, host, int(port))
+    return conns
+
+
+async def _drive(
+    conns: list[_Conn], reqs: list[list[bytes]], n: int
+) -> tuple[list[float], list[float]]:
+    """``n`` calls on each connection, all at once; connection i cycles through ``reqs[i]``.
+    Returns (latencies ms, own ms: latency minus the engine time the gateway reported)."""
+    lat: list[float] = []
+    own: list[float] = []
+
+    async def worker(c: _Conn, seq: list[bytes]) -> None:
+        for i in range(n):
+            t = time.perf_counter()
+            status, head, body = await c.call(seq[(c.sent + i) % len(seq)])
+            dt = 1e3 * (time.perf_counter() - t)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {body[:300]!r}")
+            lat.append(dt)
+            k = head.find(b"x-gyre-engine-ms:")
+            if k >= 0:
+                e = head.find(b"\r\n", k)
+                own.append(dt - float(head[k + 17 : e if e > 0 else None]))
+        c.sent += n
+
+    await asyncio.gather(*(worker(c, r) for c, r in zip(conns, reqs, strict=True)))
+    return lat, own
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -95,242 +298,260 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _run_level(
-    paths: dict, ids: list[int], conc: int, rounds: int, warm: int, blocks: int = 2
-) -> dict:
-    """Each path's latencies at ``conc`` concurrent sessions, paths interleaved in blocks."""
+# -- orchestration ------------------------------------------------------------------------------
+
+
+class _Procs:
+    def __init__(self, model: str):
+        self.model = model
+        self.env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = tempfile.mkdtemp(prefix="gyre-bench-gw-")
+
+    def spawn(self, *extra: str) -> tuple[str, subprocess.Popen]:
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--model", self.model, *extra],
+                             env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.procs.append(p)
+        url = p.stdout.readline().strip()
+        if not url:
+            raise RuntimeError(f"{' '.join(extra)} exited with {p.wait()}")
+        return url, p
+
+    def gateway(self, name: str, engine: str, *extra: str) -> tuple[str, subprocess.Popen]:
+        return self.spawn("--serve-gateway", "--engine", engine, "--store", f"{self.tmp}/{name}/store",
+                          "--spool", f"{self.tmp}/{name}/spool", *extra)  # fmt: skip
+
+    def close(self) -> None:
+        for p in self.procs[::-1]:
+            if p.stdin:
+                p.stdin.close()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+_HTTP = None
+
+
+def _admin(url: str, method: str, path: str) -> dict:
+    global _HTTP
     import httpx
 
-    # keepalive_expiry under uvicorn's 5 s idle close: a path's connections idle through the
-    # other paths' blocks, and reusing one as the server closes it resets the call.
-    limits = httpx.Limits(
-        max_connections=conc + 8, max_keepalive_connections=conc + 8, keepalive_expiry=2.0
-    )
-    lat: dict[str, list[float]] = {name: [] for name in paths}
-    own: dict[str, list[float]] = {name: [] for name in paths}
-    msgs = [{"role": "user", "content": "Say one word."}]
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+    if _HTTP is None:
+        _HTTP = httpx.Client(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    r = _HTTP.request(method, url + path, json={} if method == "POST" else None)
+    r.raise_for_status()
+    return r.json()
 
-        async def one(name: str, w: int, record: bool) -> None:
-            url, keys = paths[name]
-            t = time.perf_counter()
-            if keys is None:
-                sp = {"max_new_tokens": 1, "temperature": 0}
-                body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
-                r = await http.post(url + "/generate", json=body)
-            else:
-                body = {"model": "gyre", "messages": msgs, "max_tokens": 1, "temperature": 0}
-                auth = {"Authorization": f"Bearer {keys[w]}"}
-                r = await http.post(url + "/v1/chat/completions", json=body, headers=auth)
-            dt = (time.perf_counter() - t) * 1e3
-            r.raise_for_status()
-            if record:
-                lat[name].append(dt)
-                if keys is not None:
-                    own[name].append(dt - float(r.headers["x-gyre-engine-ms"]))
 
-        async def worker(name: str, w: int, n: int) -> None:
-            for i in range(-warm, n):
-                await one(name, w, i >= 0)
+def _keys(url: str, n: int) -> list[str]:
+    return [_admin(url, "POST", "/gyre/sessions")["api_key"] for _ in range(n)]
 
-        order = list(paths)
-        for block in range(blocks):  # alternate so that drift hits every path alike
-            for name in order if block % 2 == 0 else order[::-1]:
-                await asyncio.gather(*(worker(name, w, rounds // blocks) for w in range(conc)))
-    out = {}
-    d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
-    for name in paths:
-        out[f"{name}_p50_ms"] = _pct(lat[name], 0.5)
-        out[f"{name}_p99_ms"] = _pct(lat[name], 0.99)
-        if name != "direct":
-            sfx = name.removeprefix("gateway")
-            out[f"added{sfx}_p50_ms"] = out[f"{name}_p50_ms"] - d50
-            out[f"added{sfx}_p99_ms"] = out[f"{name}_p99_ms"] - d99
-            out[f"own{sfx}_p50_ms"] = _pct(own[name], 0.5)
-            out[f"own{sfx}_p99_ms"] = _pct(own[name], 0.99)
-    out["n"] = len(lat["direct"])
+
+def _chat_reqs(keys: list[str]) -> list[bytes]:
+    """One request per session: a fixed short chat (the real-engine part)."""
+    body = {"model": "gyre", "messages": MSGS, "max_tokens": 1, "temperature": 0}
+    return [_request("/v1/chat/completions", body, k) for k in keys]
+
+
+def _agent_reqs(url: str, conn: int, calls: int, turns: int = TURNS) -> list[bytes]:
+    """``calls`` requests of one connection as agent harnesses make them against the stub
+    (whose reply is always "Hi"): conversations of ``turns`` calls, each on a new session;
+    each turn sends the conversation so far + the reply + a new user message, so every call
+    extends the previous one token-exactly (a template render of the new messages, parent
+    lookup, delta encoding)."""
+    out: list[bytes] = []
+    for c in range(-(-calls // turns)):
+        key = _keys(url, 1)[0]
+        msgs = [{"role": "system", "content": "You are a terse agent."},
+                {"role": "user", "content": f"Task {conn}.{c}: say one word."}]  # fmt: skip
+        for t in range(turns):
+            body = {"model": "gyre", "messages": msgs, "max_tokens": 8, "temperature": 0}
+            out.append(_request("/v1/chat/completions", body, key))
+            msgs = [*msgs, {"role": "assistant", "content": "Hi"},
+                    {"role": "user", "content": f"Turn {t + 1} of task {conn}.{c}: again."}]  # fmt: skip
+    return out[:calls]
+
+
+def stub_part(procs: _Procs, transports: list[str], quick: bool, profile: str | None) -> dict:
+    """Gateway CPU per call and calls/s on one core, against the stub engine."""
+    two = (os.cpu_count() or 1) >= 2
+    gw_cpu, other_cpu = ("0", "1") if two else (None, None)
+    stub_url, _ = procs.spawn("--serve-stub", *(["--cpu", other_cpu] if two else []))
+    _pin(int(other_cpu) if two else None)
+    blocks, per_conn = (3, 2 * TURNS) if quick else (5, 8 * TURNS)
+    gws = {}
+    for t in transports:
+        extra = ["--transport", t, *(["--cpu", gw_cpu] if two else [])]
+        url, p = procs.gateway(f"stub-{t}", stub_url, *extra)
+        n = (2 + blocks) * per_conn  # warm-up + measured calls per connection
+        gws[t] = (url, p, [_agent_reqs(url, i, n) for i in range(STUB_CONC)])
+    res: dict[str, list[tuple[float, float, float]]] = {t: [] for t in transports}
+    lat: dict[str, list[float]] = {t: [] for t in transports}
+
+    async def run() -> None:
+        conns = {t: await _connect(u, STUB_CONC) for t, (u, _, _) in gws.items()}
+        for t, (url, _, reqs) in gws.items():  # warm, up to the first Parquet segment
+            await _drive(conns[t], reqs, 2 * per_conn)
+            deadline = time.monotonic() + 30
+            while not _admin(url, "GET", "/gyre/stats")["tito/segments"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway wrote no TITO segment within 30 s")
+                await asyncio.sleep(0.1)
+        spy = None
+        if profile:  # py-spy samples the first gateway over the measured blocks
+            pid = str(gws[transports[0]][1].pid)
+            spy = subprocess.Popen(["py-spy", "record", "-o", profile, "-f", "raw", "-p", pid,
+                                    "-r", "250", "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        for b in range(blocks):
+            for t in transports if b % 2 == 0 else transports[::-1]:
+                url, _, reqs = gws[t]
+                cpu0 = _admin(url, "GET", "/gyre/stats")["gateway/cpu_s"]
+                t0 = time.perf_counter()
+                ls, _ = await _drive(conns[t], reqs, per_conn)
+                wall = time.perf_counter() - t0
+                cpu = _admin(url, "GET", "/gyre/stats")["gateway/cpu_s"] - cpu0
+                n = STUB_CONC * per_conn
+                res[t].append((1e3 * cpu / n, n / wall, cpu / wall))
+                lat[t] += ls
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        for cs in conns.values():
+            for c in cs:
+                c.transport.close()
+
+    asyncio.run(run())
+    out: dict = {}
+    for t in transports:
+        sfx = "" if t == transports[0] else f"_{t}"
+        out[f"gateway_cpu_ms_per_call{sfx}"] = statistics.median(r[0] for r in res[t])
+        out[f"gateway_calls_per_s{sfx}"] = statistics.median(r[1] for r in res[t])
+        out[f"gateway_cpu_utilisation{sfx}"] = statistics.median(r[2] for r in res[t])
+        out[f"stub_p50_ms_64{sfx}"] = _pct(lat[t], 0.5)
+        out[f"stub_p99_ms_64{sfx}"] = _pct(lat[t], 0.99)
+        out[f"stub_calls{sfx}"] = len(lat[t])
+    st = _admin(gws[transports[0]][0], "GET", "/gyre/stats")
+    out["stub_tito_fsyncs"], out["stub_tito_records"] = st["tito/fsyncs"], st["tito/appended"]
+    out["transport"] = transports[0]
     return out
 
 
-def _logic_us_per_call(model: str, n: int = 400) -> float:
-    """CPU of the gateway's own per-call logic without HTTP: messages -> ids (template, parent
-    lookup), output parsing, TITO frame encoding and the session index update."""
-    import numpy as np
-
-    from infra.gateway.chat import (
-        ChatTokenizer,
-        SessionCalls,
-        build_chat_input,
-        normalize_messages,
-        parse_output,
-        reply_key,
+def engine_part(procs: _Procs, ids: list[int], quick: bool) -> dict:
+    """Added latency of the gateway over direct calls to the real embedded engine."""
+    rounds, warm, blocks = (2, 1, 1) if quick else (40, 2, 2)
+    engine_url, _ = procs.spawn("--serve-engine")
+    paths: dict[str, tuple[str, list[list[bytes]]]] = {}
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    direct = _request(
+        "/generate", {"input_ids": ids, "sampling_params": sp, "return_logprob": True}, None
     )
-    from infra.gateway.wire import chat_body, dumps, usage
-    from storage.tito import TitoRecord
-    from storage.tito_log import encode_frame
+    paths["direct"] = (engine_url, [[direct]] * max(LEVELS))
+    for name, extra in (("gateway", ()), ("gateway_nofsync", ("--no-fsync",))):
+        url, _ = procs.gateway(name, engine_url, *extra)
+        paths[name] = (url, [[r] for r in _chat_reqs(_keys(url, max(LEVELS)))])
+    out: dict = {}
 
-    tok = ChatTokenizer(model)
-    calls = SessionCalls()
-    out = np.asarray(tok.encode("Hello there.") + [tok.im_end_id], dtype=np.int32)
-    body = {"model": "gyre", "messages": [{"role": "user", "content": "Say one word."}]}
-    t = time.thread_time()
-    for i in range(n):
-        msgs = normalize_messages(body["messages"])
-        inp = build_chat_input(tok, calls, msgs, None)
-        content, tcs = parse_output(tok.decode(out))
-        rec = TitoRecord("bench", "s", f"r{i}", i, inp.parent_request_id, inp.prefix_len,
-                         inp.new_input_ids, out, np.zeros(len(out), np.float32), 0)  # fmt: skip
-        encode_frame(rec)
-        calls.add(f"r{i}", i, inp, out, reply=reply_key(content, tcs), im_end_id=tok.im_end_id)
-        dumps(chat_body(f"r{i}", "gyre", content, tcs, "stop", usage(10, 3, 0), None))
-    return 1e6 * (time.thread_time() - t) / n
+    async def level(conc: int) -> None:
+        conns = {n: await _connect(u, conc) for n, (u, _) in paths.items()}
+        lat: dict[str, list[float]] = {n: [] for n in paths}
+        own: dict[str, list[float]] = {n: [] for n in paths}
+        for n in paths:
+            await _drive(conns[n], paths[n][1][:conc], warm)
+        order = list(paths)
+        for b in range(blocks):  # alternate so that drift hits every path alike
+            for n in order if b % 2 == 0 else order[::-1]:
+                ls, os_ = await _drive(conns[n], paths[n][1][:conc], max(1, rounds // blocks))
+                lat[n] += ls
+                own[n] += os_
+        d50, d99 = _pct(lat["direct"], 0.5), _pct(lat["direct"], 0.99)
+        for n in paths:
+            out[f"{n}_p50_ms_{conc}"] = _pct(lat[n], 0.5)
+            out[f"{n}_p99_ms_{conc}"] = _pct(lat[n], 0.99)
+            if n != "direct":
+                sfx = n.removeprefix("gateway")
+                out[f"added{sfx}_p50_ms_{conc}"] = out[f"{n}_p50_ms_{conc}"] - d50
+                out[f"added{sfx}_p99_ms_{conc}"] = out[f"{n}_p99_ms_{conc}"] - d99
+                out[f"own{sfx}_p50_ms_{conc}"] = _pct(own[n], 0.5)
+                out[f"own{sfx}_p99_ms_{conc}"] = _pct(own[n], 0.99)
+        out[f"n_{conc}"] = len(lat["direct"])
+        for cs in conns.values():
+            for c in cs:
+                c.transport.close()
 
-
-def _loop_cpu(url: str) -> float:
-    import httpx
-
-    auth = {"Authorization": f"Bearer {ADMIN}"}
-    return float(httpx.get(url + "/gyre/stats", headers=auth).json()["gateway/loop_cpu_s"])
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
+    for conc in LEVELS:
+        asyncio.run(level(conc))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (< 1 min)")
-    ap.add_argument("--rounds", type=int, default=None, help="calls per session per path")
+    ap.add_argument("--quick", action="store_true", help="fewer calls (< 1 min)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--compare-httpx",
-        action="store_true",
-        help="also run a gateway whose engine client uses httpx (the former transport)",
-    )
-    ap.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--httpx-client", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--engine", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
-    ap.add_argument("--spool", help=argparse.SUPPRESS)
+    ap.add_argument("--stub-only", action="store_true", help="only the stub-engine part")
+    ap.add_argument("--transports", default="default",
+                    help="engine-client transports to run side by side in the stub part, "
+                         "e.g. http1,aiohttp (default: the client's default)")  # fmt: skip
+    ap.add_argument("--profile", default=None, help="py-spy profile of the gateway (stub part)")
+    for hidden in ("--serve-gateway", "--serve-engine", "--serve-stub", "--no-fsync"):
+        ap.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--engine", "--model", "--store", "--spool", "--transport", "--cpu"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.cpu = int(args.cpu) if args.cpu is not None else None
+    args.transport = args.transport or "default"
     if args.serve_gateway:
         _serve_gateway(args)
         return {}
     if args.serve_engine:
         _serve_engine(args)
         return {}
-
-    import httpx
+    if args.serve_stub:
+        _serve_stub(args)
+        return {}
 
     from infra.engine.tiny_model import make_tiny_model
     from infra.gateway.chat import ChatTokenizer
 
-    rounds = args.rounds or (2 if args.quick else 40)
-    warm = 1 if args.quick else 2
-    blocks = 1 if args.quick else 2
     model = make_tiny_model()
     tok = ChatTokenizer(model)
-    ids = tok.encode(tok.render([{"role": "user", "content": "Say one word."}], None, True))
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    tmp = tempfile.mkdtemp(prefix="gyre-bench-gw-")
-    me = [sys.executable, os.path.abspath(__file__)]
-    procs: list[subprocess.Popen] = []
-
-    def spawn(*extra: str) -> subprocess.Popen:
-        p = subprocess.Popen([*me, *extra], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-        procs.append(p)
-        return p
-
-    def url_of(p: subprocess.Popen) -> str:
-        url = p.stdout.readline().strip()
-        _wait_http(url, p)
-        return url
-
-    def keys_of(url: str) -> list[str]:
-        auth = {"Authorization": f"Bearer {ADMIN}"}
-        return [
-            httpx.post(url + "/gyre/sessions", json={}, headers=auth).json()["api_key"]
-            for _ in range(max(LEVELS))
-        ]
-
+    ids = tok.encode(tok.render(MSGS, None, True))
+    transports = args.transports.split(",")
+    out: dict = {}
+    procs = _Procs(model)
     try:
-        engine_url = url_of(spawn("--serve-engine", "--model", model))
-        paths = {"direct": (engine_url, None)}
-        variants = [("gateway", ()), ("gateway_nofsync", ("--no-fsync",))]
-        if args.compare_httpx:
-            variants.append(("gateway_httpx", ("--httpx-client",)))
-        gws = {
-            name: spawn("--serve-gateway", "--engine", engine_url, "--model", model,
-                        "--store", f"{tmp}/{name}/store", "--spool", f"{tmp}/{name}/spool", *extra)
-            for name, extra in variants
-        }  # fmt: skip
-        for name, p in gws.items():  # both start at once
-            url = url_of(p)
-            paths[name] = (url, keys_of(url))
-        results = {}
-        for c in LEVELS:
-            cpu0 = {n: _loop_cpu(u) for n, (u, k) in paths.items() if k is not None}
-            results[c] = asyncio.run(_run_level(paths, ids, c, rounds, warm, blocks))
-            for n, (u, k) in paths.items():  # the gateway loop thread's CPU per call
-                if k is not None:
-                    sfx = n.removeprefix("gateway")
-                    calls = c * (rounds // blocks + warm) * blocks
-                    results[c][f"cpu{sfx}_per_call_ms"] = 1e3 * (_loop_cpu(u) - cpu0[n]) / calls
-        auth = {"Authorization": f"Bearer {ADMIN}"}
-        stats = httpx.get(paths["gateway"][0] + "/gyre/stats", headers=auth).json()
+        out.update(stub_part(procs, transports, args.quick, args.profile))
     finally:
-        for p in procs[::-1]:
-            if p.stdin:
-                p.stdin.close()
-            p.terminate()
-            p.wait(30)
+        procs.close()
+    if not args.stub_only:
+        _pin(None)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        procs = _Procs(model)
+        try:
+            out.update(engine_part(procs, ids, args.quick))
+        finally:
+            procs.close()
 
-    logic_us = _logic_us_per_call(model)
-    cols = [c for c in results[LEVELS[0]] if c != "n"]
-    print(f"{'metric (ms)':<26}" + "".join(f"{f'{c} sessions':>14}" for c in LEVELS))
-    for c in cols:
-        print(f"{c.removesuffix('_ms'):<26}" + "".join(f"{results[k][c]:>14.2f}" for k in LEVELS))
-    print(f"{'calls per path':<26}" + "".join(f"{results[k]['n']:>14d}" for k in LEVELS))
-    print(f"gateway logic without HTTP (template, parent lookup, parse, TITO frame): "
-          f"{logic_us:.0f} us CPU per call")  # fmt: skip
-    out: dict = {"rounds": rounds, "tito_fsyncs": stats.get("tito/fsyncs"),
-                 "tito_records": stats.get("tito/appended"), "logic_us_per_call": logic_us}  # fmt: skip
-    for conc, r in results.items():
-        for c, v in r.items():
-            out[f"{c.removesuffix('_ms')}_ms_{conc}" if c != "n" else f"n_{conc}"] = v
-    ok = out["added_p99_ms_64"] <= 2.0
+    print("stub engine, 64 concurrent sessions, one gateway process on one core:")
     print(
-        f"target added p99 <= 2 ms at 64 sessions: {'met' if ok else 'NOT met'} "
-        f"(fsynced WAL: added p99 {out['added_p99_ms_64']:.2f} ms, own p99 "
-        f"{out['own_p99_ms_64']:.2f} ms; no-fsync WAL: added p99 "
-        f"{out['added_nofsync_p99_ms_64']:.2f} ms, own p99 {out['own_nofsync_p99_ms_64']:.2f} ms)"
+        f"{'transport':<12}{'CPU ms/call':>12}{'calls/s':>10}{'gw CPU use':>12}{'p50 ms':>9}{'p99 ms':>9}"
     )
-    if args.compare_httpx:  # same run, same engine: the engine client's share
-        print(
-            f"{'engine client (ms)':<18}" + "".join(f"{f'{c}: http1 / httpx':>24}" for c in LEVELS)
-        )
-        for head, tail in (("added", "p50"), ("added", "p99"), ("own", "p50"), ("own", "p99"),
-                           ("cpu", "per_call")):  # fmt: skip
-            print(f"{head + '_' + tail:<18}" + "".join(
-                f"{out[f'{head}_{tail}_ms_{c}']:>12.2f} / {out[f'{head}_httpx_{tail}_ms_{c}']:<9.2f}"
-                for c in LEVELS
-            ))  # fmt: skip
+    for t in transports:
+        sfx = "" if t == transports[0] else f"_{t}"
+        print(f"{t:<12}{out['gateway_cpu_ms_per_call' + sfx]:>12.3f}{out['gateway_calls_per_s' + sfx]:>10.0f}"
+              f"{out['gateway_cpu_utilisation' + sfx]:>12.0%}{out['stub_p50_ms_64' + sfx]:>9.2f}"
+              f"{out['stub_p99_ms_64' + sfx]:>9.2f}")  # fmt: skip
+    cpu, qps = out["gateway_cpu_ms_per_call"], out["gateway_calls_per_s"]
+    print(f"targets: CPU per call <= 0.5 ms {'met' if cpu <= 0.5 else 'NOT met'} ({cpu:.3f}); "
+          f"calls/s >= 2000 {'met' if qps >= 2000 else 'NOT met'} ({qps:.0f})")  # fmt: skip
+    if not args.stub_only:
+        print("\nreal engine (added = through the gateway - direct to the engine):")
+        print(f"{'metric (ms)':<26}" + "".join(f"{f'{c} sessions':>14}" for c in LEVELS))
+        for key in ("direct_p50", "direct_p99", "gateway_p50", "gateway_p99", "added_p50",
+                    "added_p99", "own_p50", "own_p99", "added_nofsync_p50", "added_nofsync_p99"):  # fmt: skip
+            print(f"{key:<26}" + "".join(f"{out[f'{key}_ms_{c}']:>14.2f}" for c in LEVELS))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     assert isinstance(tree, TrajectoryTree)
     flatten_s, _ = timed(tree.flatten, repeats)
     rows_s, rows = timed(tree.node_rows, 1)
-    samples_s, _ = timed(lambda: build_samples([tree], {"long": 1.0}, estimator="reward"), 1)
+    samples_s, _ = timed(lambda: build_samples([tree], {"long": 1.0}, advantage="reward"), 1)
     res = {
         "calls": float(len(records)),
         "unique_tokens": float(tree.n_tokens),

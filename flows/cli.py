@@ -3,7 +3,8 @@
     gyre run [--config FILE] [--preset tiny|demo] [--store URL] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
-    gyre session new [--url URL] [--admin-token TOKEN]
+    gyre session new [--url URL] [--admin-token TOKEN] [--port N]
+    gyre export RUN_ID [--store URL] --out FILE [--format parquet]
 
 Heavy imports (prefect, torch) happen inside the sub-commands, after the
 environment below is set, so ``gyre sql`` stays fast.
@@ -12,13 +13,11 @@ environment below is set, so ``gyre sql`` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 DEFAULT_STORE = "./gyre-data"
+SQL_STORE_RETRY_S = 15.0  # an interactive query waits less for an unreachable store than a run
 
 # Set before prefect/distributed are imported (also inherited by worker processes).
 _ENV_DEFAULTS = {
@@ -31,17 +30,15 @@ _ENV_DEFAULTS = {
 }
 
 
-def _serve_file() -> Path:
-    return Path(os.environ.get("GYRE_CACHE", "~/.cache/gyre")).expanduser() / "serve.json"
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
+    from flows.preflight import preflight
 
     try:  # fail before anything starts
         cfg = load_config(
             config_file=args.config, preset=args.preset, overrides=args.overrides, store=args.store
         )
+        preflight(cfg)
     except ConfigError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
@@ -73,92 +70,50 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from storage.store import Store, StoreError
 
     try:
-        store = Store(args.store)
+        store = Store(args.store, create=False, retry_s=SQL_STORE_RETRY_S)
+    except StoreError as exc:
+        print(f"gyre sql: {exc}", file=sys.stderr)
+        return 2
+    try:
         print(format_table(query(store, args.query or VIEW_COUNTS), args.format))
     except (SqlError, StoreError) as exc:
         print(f"gyre sql: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for seg in store.quarantined:
+            print(
+                f"gyre sql: corrupt segment {seg} quarantined (see _quarantine/)", file=sys.stderr
+            )
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import secrets
+    from flows.serve import main_serve
 
-    from infra.engine.engine import Engine
-    from infra.engine.server import EngineServer
-    from infra.engine.tiny_model import make_tiny_model
-    from infra.gateway.gateway import Gateway
-    from storage.store import Store
-
-    model_dir = args.model or make_tiny_model()
-    store = Store(args.store)
-    engine = Engine(model_dir, cell_id="serve")
-    server = EngineServer(engine)
-    engine_url = server.start()
-    token = secrets.token_urlsafe(24)
-    run_id = args.run_id or time.strftime("serve-%Y%m%d-%H%M%S")
-    gw = Gateway(store, run_id=run_id, tokenizer_dir=model_dir, admin_token=token, port=args.port)
-    url = gw.start()
-    gw.add_engine("serve", engine_url)
-    f = _serve_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({"url": url, "admin_token": token, "store": store.url}))
-    os.chmod(f, 0o600)
-    print(f"gyre serve: model {model_dir}")
-    print(f"  base URL     {url}/v1   (OpenAI-compatible; native /generate at {url}/generate)")
-    print(f"  store        {store.url}  (run_id {run_id})")
-    print("  session key  gyre session new      (prints a session id and its API key)")
-    print(f'  inspect      gyre sql --store {store.url} "SELECT * FROM tito"')
-    print("Ctrl-C to stop.", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        gw.stop()
-        server.stop()
-        f.unlink(missing_ok=True)
-    return 0
+    return main_serve(args)
 
 
 def cmd_session(args: argparse.Namespace) -> int:
-    import httpx
+    from flows.serve import main_session
 
-    url, token = args.url, args.admin_token
-    if url is None or token is None:
-        try:
-            info = json.loads(_serve_file().read_text())
-        except OSError:
-            print(
-                "gyre session new: no running `gyre serve` found; pass --url and --admin-token",
-                file=sys.stderr,
-            )
-            return 2
-        url, token = url or info["url"], token or info["admin_token"]
-    r = httpx.post(
-        f"{url}/gyre/sessions", json={}, timeout=30, headers={"Authorization": f"Bearer {token}"}
-    )
-    if r.status_code != 200:
-        print(f"gyre session new: {r.status_code} {r.text}", file=sys.stderr)
-        return 2
-    body = r.json()
-    print(
-        json.dumps(
-            {"session_id": body["session_id"], "api_key": body["api_key"], "base_url": f"{url}/v1"},
-            indent=2,
-        )
-    )
-    return 0
+    return main_session(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flows.export import main_export
+
+    return main_export(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from flows.config import PRESETS  # pure and light: pydantic + the section models
+
     p = argparse.ArgumentParser(prog="gyre", description="elastic RL for long-horizon LLM agents")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run the RL flow (Prefect flow rl_run on a Dask cluster)")
     r.add_argument("--config", help="YAML run config")
-    r.add_argument("--preset", choices=["tiny", "demo"], default="tiny")
+    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.set_defaults(fn=cmd_run)
@@ -173,13 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="local HF checkpoint dir (default: the tiny model)")
     s.add_argument("--store", default=DEFAULT_STORE)
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--run-id")
+    s.add_argument(
+        "--run-id",
+        help="run id of the served calls (default 'serve'; the same store and run id "
+        "continue the same run: its log is replayed and its session keys stay valid)",
+    )
     s.set_defaults(fn=cmd_serve)
+
+    e = sub.add_parser("export", help="a run's trajectories as a flat RL dataset (Parquet)")
+    e.add_argument("run_id")
+    e.add_argument("--store", default=DEFAULT_STORE)
+    e.add_argument("--out", required=True, help="output file, e.g. run.parquet")
+    e.add_argument("--format", default="parquet", choices=["parquet"])
+    e.add_argument(
+        "--advantage",
+        default="grpo",
+        choices=["grpo", "per_subtask", "reward"],
+        help="how each branch's advantage is computed (as train.advantage)",
+    )
+    e.set_defaults(fn=cmd_export)
 
     n = sub.add_parser("session", help="sessions of a running `gyre serve`")
     n.add_argument("action", choices=["new"])
-    n.add_argument("--url")
+    n.add_argument("--url", help="gateway URL (default: the one live `gyre serve`)")
     n.add_argument("--admin-token")
+    n.add_argument("--port", type=int, help="pick the `gyre serve` on this port")
     n.set_defaults(fn=cmd_session)
     return p
 

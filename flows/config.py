@@ -1,7 +1,10 @@
 """One validated run config: frozen models per concern, presets, YAML + key=value.
 
-Every error is reported at once, each naming the setting, the value, why, and
-the fix, before anything starts::
+Each section's model lives beside the code it configures (``infra/cells/config.py``,
+``infra/engine/config.py``, ``tasks/env/config.py``, ``tasks/train/config.py``,
+``infra/gateway/config.py``) and reaches the tasks as that typed object; this module
+composes them, holds the presets and reads YAML + ``key=value``. Every error is reported
+at once, each naming the setting, the value, why, and the fix, before anything starts::
 
     gyre run --preset tiny train.steps=3 rollout.group_size=4
 
@@ -10,92 +13,89 @@ Pure module: no prefect, no distributed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infra.cells.config import ClusterConfig
+from infra.engine.config import ModelConfig
+from infra.gateway.config import GatewayConfig
+from tasks.env.config import RolloutConfig
+from tasks.sched.config import SchedulerConfig, cell_problems
+from tasks.train.config import TrainConfig
+
+SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+STORE_PROTOCOLS = ("file", "s3", "s3a", "memory")
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class RunConfig(BaseModel):
+    """The whole run: one section per concern, each defined beside the code it configures."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-class ClusterConfig(_Frozen):
-    """Dask cells: one worker process per cell (a LocalCluster unless an address is given)."""
-
-    rollout_cells: int = Field(1, ge=1, description="cells holding an engine")
-    train_cells: int = Field(1, ge=1, description="cells holding a trainer replica")
-    threads_per_cell: int = Field(2, ge=1)
-    memory_limit: str = "6GiB"
-    scheduler_address: str | None = Field(
-        None, description="tcp://host:8786 of an external `dask scheduler`; None = LocalCluster"
+    run_id: str | None = Field(
+        None,
+        description="names the run's data, checkpoints and log; reuse it to continue a run "
+        "(letters, digits, '.', '_', '-'; it becomes a path component)",
     )
-
-
-class ModelConfig(_Frozen):
-    path: str | None = Field(
-        None, description="local HF checkpoint dir; None = tiny Qwen3 made here"
-    )
-    seed: int = 0
-    max_batch_size: int = Field(16, ge=1)
-    kv_cache_tokens: int = Field(262_144, ge=1024)
-
-
-class RolloutConfig(_Frozen):
-    env: Literal["arith"] = "arith"
-    groups_per_step: int = Field(1, ge=1, description="tasks per step (GRPO groups)")
-    group_size: int = Field(4, ge=1, description="sessions per task")
-    subtasks: int = Field(3, ge=1, le=32)
-    max_attempts: int = Field(2, ge=1, description="tries per sub-task (retries become branches)")
-    summarize_every: int = Field(
-        0, ge=0, description="harness resets its context every N sub-tasks (0 = never)"
-    )
-    max_new_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    timeout_s: float = Field(600.0, gt=0)
-    seed: int = 0
-
-
-class TrainConfig(_Frozen):
-    steps: int = Field(2, ge=1)
-    lr: float = Field(1e-3, gt=0, le=1.0)
-    loss: Literal["ppo_clip", "grpo"] = "ppo_clip"
-    advantage: Literal["grpo", "per_subtask"] = "grpo"
-    clip_eps_low: float = Field(0.2, ge=0, le=1)
-    clip_eps_high: float = Field(0.28, ge=0, le=10)
-    max_tokens_per_micro: int = Field(4096, ge=64)
-    max_staleness: int = Field(1, ge=0, description="policy versions a token may lag")
-    stale_policy: Literal["drop", "is"] = "drop"
-    is_cap: float = Field(2.0, gt=0)
-    reward_aggregation: Literal["weighted_mean", "sum", "min", "all_or_nothing"] = "weighted_mean"
-    seed: int = 0
-
-
-class GatewayConfig(_Frozen):
-    port: int = Field(0, ge=0, le=65535, description="0 = any free port")
-
-
-class RunConfig(_Frozen):
-    run_id: str | None = None
-    store: str = "./gyre-data"
+    store: str = Field("./gyre-data", description="fsspec URL: a directory or s3://bucket/prefix")
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_dist(cls, data: Any) -> Any:
+        """The trainer scores tokens under the distribution the rollouts sampled from:
+        unset ``train.temperature``/``train.top_p`` take the rollout's (greedy rollouts,
+        temperature 0, have no distribution: the trainer then uses 1)."""
+        if not isinstance(data, dict):
+            return data
+        rollout = data.get("rollout") or {}
+        train = dict(data.get("train") or {})
+        if not isinstance(rollout, dict):
+            return data
+        if train.get("temperature") is None:
+            t = rollout.get("temperature", RolloutConfig.model_fields["temperature"].default)
+            train["temperature"] = float(t) if isinstance(t, int | float) and t > 0 else 1.0
+        if train.get("top_p") is None:
+            train["top_p"] = rollout.get("top_p", RolloutConfig.model_fields["top_p"].default)
+        return {**data, "train": train}
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not SAFE_RUN_ID.match(v):
+            raise ValueError(
+                "a run id becomes a directory name: use 1-100 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (no '/', no '..')"
+            )
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("empty: give a directory or s3://bucket/prefix")
+        if "://" in v and v.split("://", 1)[0] not in STORE_PROTOCOLS:
+            raise ValueError(
+                f"unknown protocol {v.split('://', 1)[0]!r}: use a directory, file://, "
+                "s3:// (s3fs), or memory:// (tests)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         problems = []
-        if self.model.path is not None and not Path(self.model.path).is_dir():
-            problems.append(
-                f"model.path={self.model.path!r}: no such directory; "
-                "give a local HF checkpoint dir or leave it unset for the tiny model"
-            )
         # the engine admits a call only if its input + max_new_tokens fit its KV budget
         if self.model.kv_cache_tokens < 8 * self.rollout.max_new_tokens:
             problems.append(
@@ -103,6 +103,9 @@ class RunConfig(_Frozen):
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (calls would be refused); "
                 f"set it to at least {8 * self.rollout.max_new_tokens} plus the context you expect"
             )
+        problems += cell_problems(
+            self.scheduler, self.cluster.rollout_cells, self.cluster.train_cells
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -149,12 +152,12 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+    out = copy.deepcopy(base)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _merge(out[k], v)
         else:
-            out[k] = v
+            out[k] = copy.deepcopy(v)
     return out
 
 
@@ -178,6 +181,23 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def parse_scalar(raw: str) -> Any:
+    """A ``key=value`` value as YAML would read it, plus ``1e-3`` as a float (YAML 1.1
+    needs ``1.0e-3``); anything unparsable stays a string for the model to judge."""
+    if not raw.strip():
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def load_config(
     *,
     config_file: str | os.PathLike | None = None,
@@ -192,7 +212,7 @@ def load_config(
         if preset not in PRESETS:
             problems.append(f"--preset {preset!r}: unknown preset; use one of {sorted(PRESETS)}")
         else:
-            tree = _merge(tree, PRESETS[preset])
+            tree = _merge(tree, copy.deepcopy(PRESETS[preset]))
     if config_file is not None:
         try:
             data = yaml.safe_load(Path(config_file).read_text()) or {}
@@ -210,10 +230,7 @@ def load_config(
             continue
         key, raw = item.split("=", 1)
         key = key.strip()
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+        value = parse_scalar(raw)
         try:
             _set_dotted(tree, key, value)
         except TypeError:
@@ -231,13 +248,9 @@ def load_config(
                 loc = ".".join(str(p) for p in err["loc"]) or "config"
                 given = err.get("input")
                 msg = err["msg"]
-                problems.append(
-                    f"{loc}={given!r}: {msg}; fix: set {loc} to a valid value"
-                    if loc != "config"
-                    else msg
-                )
+                if msg.startswith("Value error, "):  # ours: it already says what to do
+                    msg = msg.removeprefix("Value error, ")
+                else:
+                    msg += f"; fix: set {loc} to a valid value"
+                problems.append(f"{loc}={given!r}: {msg}" if loc != "config" else msg)
     raise ConfigError(problems)
-
-
-def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return cfg.model_dump(mode="json")

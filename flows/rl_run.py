@@ -1,142 +1,65 @@
-"""The RL run: rollout -> process -> train -> publish, on cells of a Dask cluster.
+"""The RL run: cells of a Dask cluster, an engine per rollout cell, a gateway, and the loop.
 
-``rl_run`` owns the run's machinery (config, store, cells, engines, gateway);
-``rl_loop`` is the loop itself, a subflow whose tasks run on the cells through
-Prefect's DaskTaskRunner. Trigger it with ``gyre run`` or from the Prefect UI
-(deployment in prefect.yaml).
+``rl_run`` owns the run's machinery (config, store, model, cells, gateway); the loop itself
+is the scheduling flow (flows/schedule.py): the same Coordinator and policies as the
+simulator decide, for ``scheduler.mode`` colocate, async or elastic, which cells roll out
+and which train, and its executor carries that out while rollouts stream to processing and
+data-parallel steps publish new weights. Trigger it with ``gyre run`` or from the Prefect
+UI (deployment in prefect.yaml).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import dask
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
 from prefect_dask import DaskTaskRunner
-from tqdm import tqdm
 
 from flows import live
-from flows.config import RunConfig, config_to_dict, load_config
+from flows.config import RunConfig, load_config
+from flows.preflight import preflight
+from flows.schedule import schedule
 from infra.cells.cluster import default_worker_env, start_cells
-from infra.cells.engines import load_weights, start_engine
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.checkpoints import latest_version, publish_checkpoint
+from storage.paths import spool_dir
+from storage.sql import query
 from storage.store import Store
-from tasks.process import process_step
-from tasks.rollout import rollout_group
-from tasks.train_step import train_step
 
 log = logging.getLogger(__name__)
-
-CLOCK_SKEW_NS = 300 * 10**9
 
 
 def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
-def _cell_event(
-    store: Store,
-    run_id: str,
-    cell_id: str,
-    event: str,
-    role: str,
-    version: int = -1,
-    detail: str = "",
-) -> None:
-    store.append(
-        "cells",
-        [
-            {
-                "run_id": run_id,
-                "cell_id": cell_id,
-                "event": event,
-                "role": role,
-                "weight_version": version,
-                "t": time.time(),
-                "detail": detail,
-            }
-        ],
-    )
-
-
-@flow(name="rl_loop", flow_run_name="{run_id}-loop")
-def rl_loop(
-    run_id: str,
-    cfg: dict[str, Any],
-    store: Store,
-    admin_token: str,
-    start_version: int,
-) -> dict[str, Any]:
-    """steps x (rollout groups -> process -> train step -> publish weights to rollout cells)."""
-    logger = get_run_logger()
-    cells, gateway = live.lookup(run_id)
-    rcfg, tcfg = cfg["rollout"], cfg["train"]
-    version = start_version
-    history: list[dict[str, Any]] = []
-    bar = tqdm(
-        range(tcfg["steps"]),
-        desc=f"gyre {run_id}",
-        unit="step",
-        file=sys.stderr,
-        disable=os.environ.get("GYRE_PROGRESS", "1") == "0",
-    )
-    for step in bar:
-        bar.set_postfix_str(f"v{version} rollout")
-        # segments of this step's sessions are written after this; the margin covers
-        # clock skew between hosts (reading a few older segments is harmless)
-        since_ns = time.time_ns() - CLOCK_SKEW_NS
-        with dask.annotate(resources={"rollout": 1}):
-            futures = [
-                rollout_group.submit(
-                    gateway.url,
-                    admin_token,
-                    store,
-                    run_id,
-                    step,
-                    f"s{step}-g{g}",
-                    rcfg["seed"] * 1_000_003 + step * 1009 + g,
-                    rcfg,
-                )
-                for g in range(rcfg["groups_per_step"])
-            ]
-        sessions = [h for f in futures for h in f.result()]
-        gateway.flush()  # every answered call is in the store before processing
-        bar.set_postfix_str(f"v{version} process")
-        processed = process_step.submit(
-            store, run_id, step, sessions, version, tcfg, since_ns
-        ).result()
-        bar.set_postfix_str(f"v{version} train")
-        with dask.annotate(resources={"train": 1}):
-            trained = train_step.submit(
-                store, run_id, step, processed["samples_segment"], tcfg
-            ).result()
-        version = trained["weight_version"]
-        for addr in cells.with_role("rollout"):
-            cells.run_on(addr, load_weights, store, run_id, version)
-            _cell_event(store, run_id, cells.cell_id(addr), "load_weights", "rollout", version)
-        history.append({"step": step, **processed, **trained})
-        bar.set_postfix_str(
-            f"v{version} reward {processed['reward_mean']:.3f} loss {trained['train/loss']:.4f}"
-        )
-        logger.info(
-            "step %d done: v%d published to %d rollout cells",
-            step,
-            version,
-            len(cells.with_role("rollout")),
-        )
-    bar.close()
-    return {"steps": history, "weight_version": version}
+def _totals(store: Store, run_id: str) -> dict[str, Any]:
+    """What the run produced, read back from the store (what a user's SQL would see)."""
+    rid = run_id.replace("'", "''")
+    out: dict[str, Any] = {}
+    for sql in (
+        f"SELECT count(*) AS calls FROM tito WHERE run_id = '{rid}'",
+        f"SELECT coalesce(sum(n_tokens_unique), 0) AS tokens_unique, "
+        f"coalesce(sum(n_tokens_flat), 0) AS tokens_flat, "
+        f"coalesce(avg(reward), 0) AS mean_reward FROM rollouts WHERE run_id = '{rid}'",
+        f"SELECT coalesce(sum(tokens), 0) AS tokens_trained, "
+        f"arg_max(loss, step) AS final_loss, avg(lag_mean) AS lag_mean, "
+        f"max(lag_max) AS lag_max, max(n_members) AS max_members "
+        f"FROM steps WHERE run_id = '{rid}'",
+    ):
+        out.update(query(store, sql).to_pylist()[0])
+    # DuckDB sums integers to DECIMAL: plain numbers for the summary and the artifact
+    return {
+        k: (float(v) if hasattr(v, "as_integer_ratio") and not isinstance(v, int) else v)
+        for k, v in out.items()
+    }
 
 
 @flow(name="rl_run", flow_run_name="{preset}-run")
@@ -150,6 +73,7 @@ def rl_run(
     cfg: RunConfig = load_config(
         config_file=config_file, preset=preset, overrides=overrides or [], store=store
     )
+    preflight(cfg)  # a deployment run checks the world too, before anything starts
     logger = get_run_logger()
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
@@ -167,8 +91,8 @@ def rl_run(
         **default_worker_env(),
         "PREFECT_API_URL": str(api_url).rstrip("/"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "GYRE_PROGRESS": "0",
     }
+    sc = cfg.scheduler
     n_cells = cfg.cluster.rollout_cells + cfg.cluster.train_cells
     admin_token = secrets.token_urlsafe(24)
     with start_cells(
@@ -177,67 +101,42 @@ def rl_run(
         memory_limit=cfg.cluster.memory_limit,
         scheduler_address=cfg.cluster.scheduler_address,
         env=env,
+        rollout_slots=sc.groups_per_cell,
+        harness_slots=sc.groups_per_cell,
     ) as cells:
-        addrs = sorted(cells.roles)
-        for i, addr in enumerate(addrs):
-            role = "rollout" if i < cfg.cluster.rollout_cells else "train"
-            cells.set_role(addr, role)
-            _cell_event(st, run_id, cells.cell_id(addr), "join", role, version)
         # the write-ahead log of answered calls lives where a later process can replay it
-        spool = Path(os.environ.get("GYRE_CACHE", "~/.cache/gyre")).expanduser() / "spool"
         gateway = Gateway(
             st,
             run_id=run_id,
             tokenizer_dir=model_dir,
             admin_token=admin_token,
             port=cfg.gateway.port,
-            spool_dir=str(spool / run_id),
+            spool_dir=str(spool_dir(st.url, run_id)),
         )
         gateway.start()
+        logger.info("cells and gateway up in %.1fs", time.monotonic() - t0)
         try:
-            for addr in cells.with_role("rollout"):
-                cid = cells.cell_id(addr)
-                url = cells.run_on(
-                    addr,
-                    start_engine,
-                    model_dir,
-                    cell_id=cid,
-                    weight_version=version,
-                    max_batch_size=cfg.model.max_batch_size,
-                    kv_cache_tokens=cfg.model.kv_cache_tokens,
-                )
-                if version > 0:
-                    cells.run_on(addr, load_weights, st, run_id, version)
-                gateway.add_engine(cid, url)
-                _cell_event(st, run_id, cid, "engine_start", "rollout", version, url)
-            logger.info(
-                "cells up in %.1fs: %s",
-                time.monotonic() - t0,
-                ", ".join(f"{cells.cell_id(a)}={r}" for a, r in cells.roles.items()),
-            )
+            live.register(run_id, cells, gateway, model_dir)
             runner = DaskTaskRunner(address=cells.scheduler_address)
-            live.register(run_id, cells, gateway)
-            loop = rl_loop.with_options(task_runner=runner)(
-                run_id, config_to_dict(cfg), st, admin_token, version
-            )
+            loop = schedule.with_options(task_runner=runner)(run_id, cfg, st, version)
         finally:
             live.drop(run_id)
             gateway.stop()
-            for addr, role in cells.roles.items():
-                _cell_event(st, run_id, cells.cell_id(addr), "leave", role, -1)
 
-    steps = loop["steps"]
+    stats = loop["stats"]
+    lat = sorted(stats.switch_latency_s)
     summary = {
         "run_id": run_id,
         "store": st.url,
-        "steps": len(steps),
+        "mode": sc.mode,
+        "steps": stats.steps,
         "weight_version": loop["weight_version"],
-        "calls": sum(s["n_calls"] for s in steps),
-        "tokens_unique": sum(s["tokens_unique"] for s in steps),
-        "tokens_flat": sum(s["tokens_flat"] for s in steps),
-        "tokens_trained": int(sum(s["train/tokens"] for s in steps)),
-        "mean_reward": (sum(s["reward_mean"] for s in steps) / len(steps)) if steps else 0.0,
-        "final_loss": steps[-1]["train/loss"] if steps else None,
+        **_totals(st, run_id),
+        "switches": stats.switches,
+        "sessions_rerouted": stats.sessions_rerouted,
+        "kv_moved": stats.kv_moved,
+        "switch_latency_s": round(lat[len(lat) // 2], 3) if lat else None,
+        "report": loop["report"]["dir"],
         "seconds": round(time.monotonic() - t0, 1),
     }
     create_markdown_artifact(

@@ -103,6 +103,9 @@ SAMPLES_SCHEMA = pa.schema(
             "n_flat_trainable",
             pa.int64(),
         ),  # trainable tokens summed over branches: the loss normaliser
+        ("counts", pa.list_(pa.int32())),  # per token: branches that train it (KL/entropy)
+        ("version_min", pa.int64()),  # oldest policy version among its trainable tokens
+        ("version_max", pa.int64()),  # newest; -1 when it has no trainable token
     ]
 )
 
@@ -118,10 +121,16 @@ STEPS_SCHEMA = pa.schema(
         ("n_samples", pa.int32()),
         ("grad_norm", pa.float64()),
         ("mean_staleness", pa.float64()),
-        ("cells", pa.list_(pa.string())),
+        ("cells", pa.list_(pa.string())),  # the data-parallel members, in rank order
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
         ("checkpoint", pa.string()),
+        ("lag_mean", pa.float64()),  # policy lag of the step's trained tokens, token-weighted
+        ("lag_max", pa.int64()),  # (versions between generation and the step's start weights)
+        ("n_members", pa.int32()),  # DP members
+        ("generation", pa.int32()),  # DP group generation (changes when members change)
+        ("mode", pa.string()),  # colocate | async | elastic
+        ("dropped_tokens", pa.int64()),  # trainable tokens over the lag bound, not trained
     ]
 )
 
@@ -132,6 +141,8 @@ LEDGER_SCHEMA = pa.schema(
         ("sample_id", pa.string()),
         ("weight_version", pa.int64()),
         ("t", pa.float64()),
+        ("lag_mean", pa.float64()),  # this sample's policy lag when trained, token-weighted
+        ("lag_max", pa.int64()),
     ]
 )
 
@@ -139,11 +150,12 @@ CELLS_SCHEMA = pa.schema(
     [
         ("run_id", pa.string()),
         ("cell_id", pa.string()),
-        ("event", pa.string()),  # join | role | leave | load_weights | ...
+        ("event", pa.string()),  # join | decide | role | load_weights | step | leave
         ("role", pa.string()),  # rollout | train | draining | loading
         ("weight_version", pa.int64()),
         ("t", pa.float64()),
         ("detail", pa.string()),
+        ("reason", pa.string()),  # why the scheduler decided it (its inputs, with numbers)
     ]
 )
 

@@ -5,6 +5,14 @@ Views: ``tito``, ``nodes``, ``scores``, ``rollouts``, ``samples``, ``steps``,
 through the store's s3fs file system registered with DuckDB (no httpfs
 extension needed). Connections are short-lived and in-memory, so queries never
 contend for a database file lock with a running flow.
+
+Confinement is DuckDB's own, not a pattern on the text: the query is parsed with
+DuckDB's statement API and must be exactly one SELECT (``WITH``, ``FROM x``,
+``DESCRIBE``, ``SHOW`` and ``SUMMARIZE`` parse as SELECT); the connection then
+runs with ``enable_external_access=false`` and the store as its only allowed
+directory, and ``lock_configuration`` refuses any attempt to change that. So
+COPY/ATTACH/INSTALL/LOAD/PRAGMA/SET, a second statement, and files outside the
+store are all refused before anything is touched.
 """
 
 from __future__ import annotations
@@ -20,22 +28,30 @@ from storage.store import Store
 
 VIEWS = tuple(SCHEMAS)
 
-_WRITE = re.compile(
-    r"^\s*(insert|update|delete|create|drop|alter|copy|attach|detach|install|load|pragma|set|"
-    r"call|export|import|checkpoint|vacuum)\b",
-    re.IGNORECASE,
-)
-
 
 class SqlError(ValueError):
     """A query was refused or failed; the message says why."""
 
 
+def _allowed_roots(store: Store) -> list[str]:
+    """The store's root in the spellings DuckDB may hand to a file system."""
+    if store.protocol == "file":
+        return [store.root.rstrip("/") + "/"]
+    root = store.root.strip("/")
+    return [f"{store.protocol}://{root}/", f"{store.protocol}:///{root}/"]
+
+
 def connect(store: Store) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with a view per dataset of the store."""
+    """An in-memory DuckDB connection with a view per dataset of the store, able to
+    read files under the store's root and nothing else (see the module docstring)."""
     con = duckdb.connect(":memory:")
     if store.protocol != "file":
         con.register_filesystem(store.fs)
+    con.execute("SET allowed_directories = ?", [_allowed_roots(store)])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET lock_configuration = true")
     for name in VIEWS:
         segs = store.segments(name)
         if segs:
@@ -57,17 +73,64 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
 VIEW_COUNTS = " UNION ALL ".join(f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS)
 
 
-def query(store: Store, sql: str) -> pa.Table:
-    """Run one read-only query; returns an Arrow table."""
-    if _WRITE.match(sql):
-        raise SqlError("gyre sql is read-only: use SELECT / WITH / DESCRIBE / SHOW / EXPLAIN")
-    con = connect(store)
+def check_read_only(sql: str) -> None:
+    """Refuse anything but exactly one SELECT statement, as DuckDB itself parses it."""
     try:
-        return con.sql(sql).to_arrow_table()
+        statements = duckdb.extract_statements(sql)
     except duckdb.Error as exc:
-        raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
-    finally:
-        con.close()
+        raise SqlError(f"cannot parse the query: {exc}") from exc
+    if len(statements) != 1:
+        raise SqlError(
+            f"gyre sql runs one statement at a time; got {len(statements)}: "
+            "send each SELECT on its own"
+        )
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise SqlError(
+            f"gyre sql is read-only: a {kind.name} statement is refused; use SELECT or WITH "
+            "(DESCRIBE, SHOW and SUMMARIZE work too)"
+        )
+
+
+_FILE_IN_ERROR = re.compile(r"'([^']+\.parquet)'")
+MAX_QUARANTINES_PER_QUERY = 64
+
+
+def query(store: Store, sql: str) -> pa.Table:
+    """Run one read-only query; returns an Arrow table.
+
+    A segment DuckDB cannot decode is checked with pyarrow; if it is corrupt it is
+    quarantined (``Store.quarantine``: moved aside, logged, listed in
+    ``store.quarantined``) and the query runs again without it.
+    """
+    check_read_only(sql)
+    for _ in range(MAX_QUARANTINES_PER_QUERY + 1):
+        try:
+            con = connect(store)
+        except duckdb.Error as exc:
+            if _quarantine_named_segment(store, exc):
+                continue
+            raise SqlError(f"cannot open the store's views: {exc}") from exc
+        try:
+            return con.sql(sql).to_arrow_table()
+        except duckdb.Error as exc:
+            if _quarantine_named_segment(store, exc):
+                continue
+            raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
+        finally:
+            con.close()
+    raise SqlError(f"more than {MAX_QUARANTINES_PER_QUERY} corrupt segments: check {store.url}")
+
+
+def _quarantine_named_segment(store: Store, exc: duckdb.Error) -> bool:
+    """Quarantine the store segment a DuckDB error names, if it really is corrupt."""
+    for path in _FILE_IN_ERROR.findall(str(exc)):
+        rel = path.split("://", 1)[-1]
+        if not rel.strip("/").startswith(store.root.strip("/")) or "*" in rel:
+            continue
+        if store.read_segment(rel) is None:  # it was corrupt: now quarantined
+            return True
+    return False
 
 
 def format_table(table: pa.Table, fmt: str = "table", max_width: int = 60) -> str:

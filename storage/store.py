@@ -11,12 +11,22 @@ half-written segment. The directory listing of ``{dataset}/`` is the manifest.
 A local directory is the default (``./gyre-data``); ``s3://bucket/prefix`` goes
 through s3fs, which honours the usual AWS variables (``AWS_ENDPOINT_URL`` for
 MinIO or a moto server).
+
+Faults: every object-store call is retried with exponential backoff while the
+error is transient (connection refused, timeouts, 5xx), for at most
+``retry_s`` seconds, then fails with a `StoreError` that names the store and the
+bound; a missing key, a missing bucket or refused credentials fail at once. A
+segment that cannot be decoded is moved to ``_quarantine/{dataset}/`` (with a
+note saying why), logged as an error and listed in ``Store.quarantined``; readers
+then go on without it, so a bad file is reported, never silently skipped.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -30,24 +40,60 @@ from storage.schemas import SCHEMAS
 
 log = logging.getLogger(__name__)
 
-_RETRIES = 3
+DEFAULT_RETRY_S = 120.0  # how long a run waits out an object-store outage
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.2, 5.0
+QUARANTINE = "_quarantine"
+
+# errors that say "this will not get better by waiting"
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_PERMANENT_NAMES = ("Credential", "ParamValidation", "InvalidRegion", "NoRegion")
 
 
 class StoreError(RuntimeError):
     """A store URL cannot be used, or an object-store call kept failing."""
 
 
-def _with_retries(what: str, fn, *args, **kwargs):
-    """Retry an object-store call a bounded number of times (I/O boundary only)."""
-    for attempt in range(1, _RETRIES + 1):
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: OS-level I/O errors and the network errors of s3fs's clients
+    (botocore/aiohttp), but not a missing object, refused access or bad credentials."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    module = type(exc).__module__.split(".")[0]
+    if module in ("botocore", "aiobotocore", "aiohttp", "urllib3"):
+        return not any(n in type(exc).__name__ for n in _PERMANENT_NAMES)
+    return False
+
+
+def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwargs):
+    """Call ``fn`` at an I/O boundary, retrying transient errors with exponential backoff
+    (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds."""
+    deadline = time.monotonic() + retry_s
+    delay, attempt = _BACKOFF_FIRST_S, 0
+    while True:
+        attempt += 1
         try:
             return fn(*args, **kwargs)
-        except (OSError, TimeoutError) as exc:
-            if isinstance(exc, FileNotFoundError) or attempt == _RETRIES:
+        except Exception as exc:
+            if not is_transient(exc):
                 raise
-            log.warning("store: %s failed (attempt %d/%d): %s", what, attempt, _RETRIES, exc)
-            time.sleep(0.2 * attempt)
-    raise AssertionError("unreachable")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError(
+                    f"store: {what} kept failing for {retry_s:.0f}s ({attempt} attempts): "
+                    f"{type(exc).__name__}: {exc}; check that the store is reachable"
+                ) from exc
+            log.warning(
+                "store: %s failed (attempt %d, retrying for %.0fs more): %s: %s",
+                what,
+                attempt,
+                left,
+                type(exc).__name__,
+                exc,
+            )
+            time.sleep(min(delay * (0.5 + random.random()), left))
+            delay = min(delay * 2, _BACKOFF_MAX_S)
 
 
 def s3_options_from_env() -> dict[str, Any]:
@@ -61,7 +107,18 @@ def s3_options_from_env() -> dict[str, Any]:
 class Store:
     """Datasets and checkpoints under one fsspec URL."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        create: bool = True,
+        retry_s: float = DEFAULT_RETRY_S,
+    ):
+        """Open the store at ``url``. ``create=False`` refuses a store that does not exist
+        (a missing directory or bucket) instead of making one: for readers such as
+        ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried.
+        """
         if not url:
             raise StoreError("empty store URL; pass a directory or s3://bucket/prefix")
         protocol = url.split("://", 1)[0] if "://" in url else "file"
@@ -73,6 +130,8 @@ class Store:
             self.root = url.split("://", 1)[1].rstrip("/")
             self.url = f"{protocol}://{self.root}"
         self.protocol = protocol
+        self.retry_s = float(retry_s)
+        self.quarantined: list[str] = []
         opts = dict(storage_options or {})
         if protocol == "s3":
             opts = {**s3_options_from_env(), **opts}
@@ -81,14 +140,24 @@ class Store:
             self.fs = fsspec.filesystem(protocol, **opts)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
-        if protocol == "file":
+        if not create:
+            if not self.exists():
+                raise StoreError(
+                    f"no store at {self.url}: the {'directory' if protocol == 'file' else 'bucket or prefix'} "
+                    "does not exist; check --store (a run creates it)"
+                )
+        elif protocol == "file":
             os.makedirs(self.root, exist_ok=True)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
     def __reduce__(self):  # ship by URL, reopen on the other side (Dask workers)
-        return (Store, (self.url if self.protocol != "file" else self.root, self.storage_options))
+        url = self.url if self.protocol != "file" else self.root
+        return (_reopen, (url, self.storage_options, self.retry_s))
+
+    def _retry(self, what: str, fn, *args, **kwargs):
+        return with_retries(what, fn, *args, retry_s=self.retry_s, **kwargs)
 
     # -- paths -------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -129,14 +198,14 @@ class Store:
             sink = pa.BufferOutputStream()
             pq.write_table(table, sink, compression="zstd")
             data = sink.getvalue().to_pybytes()
-            _with_retries(f"put {final}", self.fs.pipe_file, final, data)
+            self._retry(f"put {final}", self.fs.pipe_file, final, data)
         return final
 
     def segments(self, dataset: str, since_ns: int | None = None) -> list[str]:
         """Segment paths in write order; ``since_ns`` keeps those written at or after it."""
         base = self.path(dataset)
         try:
-            names = _with_retries(f"list {base}", self.fs.ls, base, detail=False)
+            names = self._retry(f"list {base}", self.fs.ls, base, detail=False)
         except FileNotFoundError:
             return []
         segs = sorted(n for n in names if n.rsplit("/", 1)[-1].startswith("part-"))
@@ -156,19 +225,52 @@ class Store:
             if schema is None:
                 return pa.table({})
             return schema.empty_table()
-        tables = []
-        for s in segs:
-            with _with_retries(f"open {s}", self.fs.open, s, "rb") as fh:
-                tables.append(pq.read_table(fh))
+        tables = [t for t in (self.read_segment(s) for s in segs) if t is not None]
+        if not tables:
+            return pa.table({}) if schema is None else schema.empty_table()
         table = pa.concat_tables(tables, promote_options="default")
         return table if schema is None else table.select(schema.names).cast(schema)
+
+    def read_segment(self, path: str) -> pa.Table | None:
+        """One segment; a segment that cannot be decoded is quarantined (None)."""
+        data = self._retry(f"get {path}", self.fs.cat_file, path)
+        try:
+            return pq.read_table(pa.BufferReader(data))
+        except (pa.ArrowException, OSError) as exc:
+            self.quarantine(path, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def quarantine(self, path: str, why: str) -> str:
+        """Move a bad segment out of its dataset into ``_quarantine/`` with a note."""
+        rel = path[len(self.root) :].strip("/") if path.startswith(self.root) else path
+        dest = self.path(QUARANTINE, rel)
+        note = json.dumps({"segment": path, "why": why, "t": time.time()})
+        if self.protocol == "file":
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+        try:
+            self._retry(f"quarantine {path}", self.fs.mv, path, dest)
+        except FileNotFoundError:
+            if self._retry(f"stat {path}", self.fs.exists, path):
+                raise
+            # another reader moved it first
+        self._retry(f"note {dest}", self.fs.pipe_file, dest + ".why.json", note.encode())
+        log.error("store: corrupt segment %s quarantined to %s (%s)", path, dest, why)
+        self.quarantined.append(path)
+        return dest
 
     def dataset_bytes(self, dataset: str) -> int:
         return sum(int(self.fs.size(s)) for s in self.segments(dataset))
 
     # -- plain objects -----------------------------------------------------
     def exists(self, *parts: str) -> bool:
-        return bool(_with_retries("exists", self.fs.exists, self.path(*parts)))
+        """Whether a path (or the store's root) exists. Unlike ``fs.exists``, an
+        unreachable store raises instead of answering False."""
+        path = self.path(*parts)
+        try:
+            self._retry(f"stat {path}", self.fs.info, path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def write_bytes(self, relpath: str, data: bytes) -> str:
         p = self.path(relpath)
@@ -181,11 +283,11 @@ class Store:
                 os.fsync(fh.fileno())
             os.replace(tmp, p)
         else:
-            _with_retries(f"put {p}", self.fs.pipe_file, p, data)
+            self._retry(f"put {p}", self.fs.pipe_file, p, data)
         return p
 
     def read_bytes(self, relpath: str) -> bytes:
-        return _with_retries(f"get {relpath}", self.fs.cat_file, self.path(relpath))
+        return self._retry(f"get {relpath}", self.fs.cat_file, self.path(relpath))
 
     def put_dir(self, local_dir: str, relpath: str) -> str:
         """Copy a local directory's files (flat) into the store."""
@@ -199,9 +301,9 @@ class Store:
     def get_dir(self, relpath: str, local_dir: str) -> str:
         """Copy a store directory's files (flat) to a local directory."""
         os.makedirs(local_dir, exist_ok=True)
-        for p in _with_retries("list", self.fs.ls, self.path(relpath), detail=False):
+        for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False):
             name = p.rstrip("/").rsplit("/", 1)[-1]
-            data = _with_retries(f"get {p}", self.fs.cat_file, p)
+            data = self._retry(f"get {p}", self.fs.cat_file, p)
             with open(os.path.join(local_dir, name), "wb") as fh:
                 fh.write(data)
         return local_dir
@@ -210,7 +312,11 @@ class Store:
         try:
             return sorted(
                 p.rstrip("/").rsplit("/", 1)[-1]
-                for p in self.fs.ls(self.path(relpath), detail=False)
+                for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False)
             )
         except FileNotFoundError:
             return []
+
+
+def _reopen(url: str, storage_options: dict[str, Any], retry_s: float) -> Store:
+    return Store(url, storage_options, retry_s=retry_s)

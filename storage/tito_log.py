@@ -43,27 +43,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.schemas import TITO_SCHEMA
 from storage.store import Store
 from storage.tito import TitoRecord
-
-try:  # orjson is faster; json is the fallback
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-    import json
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    _loads = json.loads
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +74,14 @@ def encode_frame(rec: TitoRecord) -> bytes:
     lps = np.asarray(rec.output_logprobs, dtype=np.float32)
     header = {k: getattr(rec, k) for k in _SCALARS}
     header["_n"] = [int(new.size), int(out.size), int(lps.size)]
-    h = _dumps(header)
+    h = orjson.dumps(header)
     payload = b"".join((_HLEN.pack(len(h)), h, new.tobytes(), out.tobytes(), lps.tobytes()))
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def decode_payload(payload: bytes) -> TitoRecord:
     (hlen,) = _HLEN.unpack_from(payload, 0)
-    header = _loads(payload[4 : 4 + hlen])
+    header = orjson.loads(payload[4 : 4 + hlen])
     n_new, n_out, n_lp = header.pop("_n")
     off = 4 + hlen
     new = np.frombuffer(payload, dtype=np.int32, count=n_new, offset=off)

@@ -19,9 +19,11 @@ from prefect.logging import get_run_logger
 
 from storage.store import Store
 from storage.tito import TitoRecord
-from tasks.trajectory.sampler import build_samples
+from tasks.handles import ProcessedStep, SessionHandle
+from tasks.train.config import TrainConfig
+from tasks.trajectory.sampler import Sample, build_samples, zero_variance_groups
 from tasks.trajectory.scoring import Score, score_rollout, scores_at_requests
-from tasks.trajectory.tree import build_trees
+from tasks.trajectory.tree import build_trees, root_session
 
 
 def _rows_for_sessions(
@@ -38,117 +40,137 @@ def process_sessions(
     store: Store,
     run_id: str,
     step: int,
-    sessions: list[dict[str, Any]],
+    sessions: list[SessionHandle],
     *,
     current_version: int,
     since_ns: int | None = None,
-    aggregation: str = "weighted_mean",
-    estimator: str = "grpo",
+    reward_aggregation: str = "weighted_mean",
+    advantage: str = "grpo",
     max_staleness: int | None = None,
-    stale_mode: str = "drop",
-) -> dict[str, Any]:
+    stale_policy: str = "drop",
+    normalize_std: bool = True,
+    filter_zero_variance: bool = True,
+) -> ProcessedStep:
     """The body of ``process_step`` (callable without Prefect, e.g. in tests).
 
     ``since_ns``: the sessions' records and scores were written after this time, so
     older segments are not read (None reads everything).
     """
-    sids = [s["session_id"] for s in sessions]
+    sids = [s.session_id for s in sessions]
     records = [TitoRecord.from_row(r) for r in _rows_for_sessions(store, "tito", sids, since_ns)]
     scores = [
         Score(**{k: r[k] for k in Score.__dataclass_fields__})
         for r in _rows_for_sessions(store, "scores", sids, since_ns)
     ]
-    parents = {
-        s["session_id"]: s["parent_session_id"] for s in sessions if s.get("parent_session_id")
-    }
+    parents = {s.session_id: s.parent_session_id for s in sessions if s.parent_session_id}
     trees = build_trees(records, session_parents=parents)
     at = scores_at_requests(scores)
     node_rows = [row for t in trees.values() for row in t.node_rows(run_id, at)]
     store.append("nodes", node_rows)
 
     def root(sid: str) -> str:  # the top-level session a sub-agent session works for
-        seen = {sid}
-        while sid in parents and parents[sid] not in seen:
-            sid = parents[sid]
-            seen.add(sid)
-        return sid
+        return root_session(parents, sid)
 
     # a rollout is judged on what it and its sub-agents finished
     family_scores = [replace(sc, session_id=root(sc.session_id)) for sc in scores]
     rewards: dict[str, float] = {}
     for s in sessions:
-        if root(s["session_id"]) == s["session_id"]:
-            rewards[s["session_id"]] = score_rollout(
+        if root(s.session_id) == s.session_id:
+            rewards[s.session_id] = score_rollout(
                 run_id,
-                s["session_id"],
+                s.session_id,
                 family_scores,
-                declared=s.get("subtasks"),
-                status=s["status"],
-                reason=s.get("reason", ""),
-                aggregation=aggregation,
+                declared=s.subtasks or None,
+                status=s.status,
+                reason=s.reason,
+                aggregation=reward_aggregation,
             ).reward
     by_sid: dict[str, list[TitoRecord]] = {}
     for r in records:
         by_sid.setdefault(r.session_id, []).append(r)
     rollout_rows = []
     for s in sessions:
-        sid = s["session_id"]
+        sid = s.session_id
         recs = by_sid.get(sid, [])
         flat = sum(trees[sid].context_len(r.request_id) for r in recs) if sid in trees else 0
         rollout_rows.append(
             {
                 "run_id": run_id,
                 "session_id": sid,
-                "group_id": s["group_id"],
+                "group_id": s.group_id,
                 "step": step,
-                "task_id": s.get("task_id", ""),
-                "status": s["status"],
+                "task_id": s.task_id,
+                "status": s.status,
                 "reward": rewards.get(root(sid), 0.0),
                 "n_calls": len(recs),
                 "n_tokens_unique": sum(len(r.new_input_ids) + len(r.output_ids) for r in recs),
                 "n_tokens_flat": flat,
-                "reason": s.get("reason", ""),
-                "parent_session_id": s.get("parent_session_id"),
+                "reason": s.reason,
+                "parent_session_id": s.parent_session_id,
             }
         )
     store.append("rollouts", rollout_rows)
 
+    groups = {s.session_id: s.group_id for s in sessions if s.session_id in rewards}
     samples = build_samples(
         trees,
         rewards,
-        {s["session_id"]: s["group_id"] for s in sessions if s["session_id"] in rewards},
+        groups,
         run_id=run_id,
         step=step,
-        estimator=estimator,
+        advantage=advantage,
         scores=scores,
         current_version=current_version,
         max_staleness=max_staleness,
-        stale_mode=stale_mode,
+        stale_policy=stale_policy,
+        normalize_std=normalize_std,
+        filter_zero_variance=filter_zero_variance,
     )
-    seg = store.append("samples", [s.to_row() for s in samples])
-    return {
-        "samples_segment": seg,
-        "sample_ids": [s.sample_id for s in samples],
-        "n_samples": len(samples),
-        "n_calls": len(records),
-        "n_nodes": len(node_rows),
-        "tokens_unique": int(sum(r["n_tokens_unique"] for r in rollout_rows)),
-        "tokens_flat": int(sum(r["n_tokens_flat"] for r in rollout_rows)),
-        "reward_mean": float(np.mean(list(rewards.values()))) if rewards else 0.0,
-    }
+    flat = zero_variance_groups(
+        rewards, groups, advantage=advantage, scores=scores, normalize_std=normalize_std
+    )
+    seg = store.append("samples", [_sample_row(s) for s in samples])
+    return ProcessedStep(
+        step=step,
+        samples_segment=seg,
+        sample_ids=tuple(s.sample_id for s in samples),
+        n_samples=len(samples),
+        n_calls=len(records),
+        n_nodes=len(node_rows),
+        tokens_unique=int(sum(r["n_tokens_unique"] for r in rollout_rows)),
+        tokens_flat=int(sum(r["n_tokens_flat"] for r in rollout_rows)),
+        reward_mean=float(np.mean(list(rewards.values()))) if rewards else 0.0,
+        zero_variance_groups=len(flat),
+        version_min=min(
+            (int(s.versions[s.versions >= 0].min()) for s in samples if (s.versions >= 0).any()),
+            default=-1,
+        ),
+    )
 
 
-@task(name="process-step", task_run_name="process-step-{step}")
-def process_step(
+def _sample_row(s: Sample) -> dict[str, Any]:
+    """The stored row: the sample plus the policy versions of its trainable tokens."""
+    v = s.versions[(s.versions >= 0) & s.trainable_mask]
+    lo, hi = (int(v.min()), int(v.max())) if v.size else (-1, -1)
+    return {**s.to_row(), "version_min": lo, "version_max": hi}
+
+
+@task(name="process-group", task_run_name="process-g{index}")
+def process_group(
     store: Store,
     run_id: str,
+    index: int,
     step: int,
-    sessions: list[dict[str, Any]],
+    sessions: list[SessionHandle],
     current_version: int,
-    train_cfg: dict[str, Any],
+    cfg: TrainConfig,
     since_ns: int | None = None,
-) -> dict[str, Any]:
-    """Trees, scores and samples of one step's sessions."""
+) -> ProcessedStep:
+    """Trees, scores and samples of one finished group, as soon as it finished (streaming).
+
+    Staleness is not judged here: the lag of a sample is known only when a step takes it,
+    and the step enforces the bound (tasks/train_step.py).
+    """
     out = process_sessions(
         store,
         run_id,
@@ -156,19 +178,19 @@ def process_step(
         sessions,
         current_version=current_version,
         since_ns=since_ns,
-        aggregation=train_cfg["reward_aggregation"],
-        estimator=train_cfg["advantage"],
-        max_staleness=train_cfg["max_staleness"],
-        stale_mode=train_cfg["stale_policy"],
+        reward_aggregation=cfg.reward_aggregation,
+        advantage=cfg.advantage,
+        max_staleness=None,
+        normalize_std=cfg.normalize_std,
+        filter_zero_variance=cfg.filter_zero_variance,
     )
     get_run_logger().info(
-        "step %d: %d calls -> %d nodes, %d samples; unique/flat tokens %d/%d; reward %.3f",
-        step,
-        out["n_calls"],
-        out["n_nodes"],
-        out["n_samples"],
-        out["tokens_unique"],
-        out["tokens_flat"],
-        out["reward_mean"],
+        "group %d: %d calls -> %d samples; unique/flat tokens %d/%d; reward %.3f",
+        index,
+        out.n_calls,
+        out.n_samples,
+        out.tokens_unique,
+        out.tokens_flat,
+        out.reward_mean,
     )
     return out

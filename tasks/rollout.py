@@ -1,15 +1,29 @@
 """Prefect task: roll out one group (one task, ``group_size`` sessions) through the gateway.
 
-Each session gets its own API key from the gateway; the harness sees only the
-base URL and the key. The environment's sub-task scores are written to the
-store whatever happens: a failed or timed-out session is scored on what it
-finished, with the reason recorded.
+The task comes from the configured suite (``rollout.suite``, tasks/env/suite.py); each
+session gets its own environment, its own private directory and its own API key from the
+gateway; the harness (``rollout.harness``) sees only the base URL and the key. The
+suite's evaluator scores every session whatever happened, and the scores are written to
+the store: a failed, timed-out or stopped session is scored on what it finished, with
+the reason.
+
+Sessions run on threads of their own, so an environment that takes its time between two
+model calls (``GroupSpec.env_step_s``: a tool, a test run) holds up only its own session.
+A run that ends stops its rollouts cooperatively: each session checks the run's stop event
+at its next environment step (a Prefect cancel does not stop a running Dask task).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import random
+import shutil
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -17,8 +31,24 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from storage.store import Store
-from tasks.env.arith import ArithEnv
-from tasks.env.harness import run_agent
+from tasks.env.config import RolloutConfig
+from tasks.env.harness import make_harness
+from tasks.env.suite import (
+    HarnessContext,
+    HarnessSettings,
+    Outcome,
+    SubtaskScore,
+    SuiteError,
+    check_env,
+    load_suite,
+)
+from tasks.handles import GroupSpec, SessionHandle
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The run is over: the session ends at this environment step (scored as unfinished)."""
 
 
 def new_session(
@@ -36,94 +66,201 @@ def new_session(
     return body["session_id"], body["api_key"]
 
 
-async def _run_session(
-    gateway_url: str, key: str, env: ArithEnv, cfg: dict[str, Any], seed: int
-) -> dict[str, Any]:
-    status, reason, calls = "finished", "", 0
+def harness_settings(cfg: RolloutConfig, seed: int) -> HarnessSettings:
+    return HarnessSettings(
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=seed,
+        max_attempts=cfg.max_attempts,
+        max_tool_rounds=cfg.max_tool_rounds,
+        summarize_every=cfg.summarize_every,
+        context_tokens=cfg.context_tokens,
+        context_policy=cfg.context_policy,
+        timeout_s=cfg.timeout_s,
+    )
+
+
+class SlowEnv:
+    """An environment whose every step (a graded answer, a tool call) takes time: a
+    log-normal draw around ``median_s``, long-tailed by ``sigma`` (pacing of the world the
+    agent acts in). Checks ``stopped()`` first, so a finished run ends its sessions."""
+
+    def __init__(self, env: Any, median_s: float, sigma: float, seed: int, stopped=None):
+        self._env = env
+        self._median, self._sigma = median_s, sigma
+        self._rng = random.Random(seed)
+        self._stopped = stopped or (lambda: False)
+
+    def _step(self) -> None:
+        if self._stopped():
+            raise Stopped("the run ended")
+        if self._median > 0:
+            time.sleep(self._median * math.exp(self._sigma * self._rng.gauss(0.0, 1.0)))
+
+    def submit(self, *args, **kwargs):
+        self._step()
+        return self._env.submit(*args, **kwargs)
+
+    def call_tool(self, *args, **kwargs):
+        self._step()
+        return self._env.call_tool(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._env, name)
+
+
+async def run_session(harness, ctx: HarnessContext, timeout_s: float) -> Outcome:
+    """Run one session of the harness against the gateway; never raises (the harness is a
+    black box: record, never drop)."""
     try:
-        res = await asyncio.wait_for(
-            run_agent(
-                gateway_url,
-                key,
-                env,
-                max_tokens=cfg["max_new_tokens"],
-                temperature=cfg["temperature"],
-                top_p=cfg["top_p"],
-                seed=seed,
-                max_attempts=cfg["max_attempts"],
-                summarize_every=cfg["summarize_every"],
-            ),
-            timeout=cfg["timeout_s"],
-        )
-        calls = res.calls
+        res = await asyncio.wait_for(harness(ctx), timeout=timeout_s)
+        return Outcome("finished", "", getattr(res, "calls", 0) or 0)
     except TimeoutError:
-        status, reason = "timeout", f"rollout exceeded {cfg['timeout_s']}s"
-        env.mark("timeout", reason)
+        return Outcome("timeout", f"rollout exceeded {timeout_s}s")
+    except Stopped as exc:
+        return Outcome("unfinished", str(exc))
     except Exception as exc:  # the harness is a black box: record, never drop
-        status, reason = "failed", f"{type(exc).__name__}: {exc}"[:500]
-        env.mark("failed", reason)
-    env.mark("unfinished", "session ended before this sub-task")
-    return {"status": status, "reason": reason, "calls": calls}
+        return Outcome("failed", f"{type(exc).__name__}: {exc}"[:500])
 
 
-@task(name="rollout-group", task_run_name="rollout-{group_id}")
+def _evaluate(suite, env, outcome: Outcome) -> list[SubtaskScore]:
+    """The suite's scores; an evaluator that raises still yields a row per sub-task."""
+    try:
+        return list(suite.evaluate(env, outcome))
+    except Exception as exc:
+        reason = f"evaluator raised {type(exc).__name__}: {exc}"[:500]
+        log.exception("evaluating %s failed", env.task.task_id)
+        return [
+            SubtaskScore(s.subtask_id, 0.0, s.weight, None, "failed", reason, "evaluator")
+            for s in env.task.subtasks
+        ]
+
+
+def _watch_stop(ev: Any, stop: threading.Event, done: threading.Event) -> None:
+    """Poll the run's distributed stop event ``ev`` once a second until ``done``; mirror it
+    into ``stop`` (a plain flag the session threads read for free)."""
+    while not done.wait(1.0):
+        try:
+            if ev.is_set():
+                stop.set()
+                return
+        except Exception as exc:  # the scheduler is unreachable: keep going, say so
+            log.warning("stop event unreadable: %s", exc)
+
+
+def roll_out_group(
+    gateway_url: str,
+    admin_token: str,
+    store: Store,
+    run_id: str,
+    spec: GroupSpec,
+    cfg: RolloutConfig,
+    stop_event: str | None = None,
+) -> list[SessionHandle]:
+    """The body of ``rollout_group`` (callable without Prefect)."""
+    options = {**cfg.suite_options(), "subtasks": spec.subtasks or cfg.subtasks}
+    suite = load_suite(cfg.suite, **options)
+    harness = make_harness(cfg.harness)
+    task_ = suite.task(spec.task_seed)
+    root = tempfile.mkdtemp(prefix=f"gyre-{spec.group_id}-")
+    stop, done = threading.Event(), threading.Event()
+    envs, keys, sids = [], [], []
+    outcomes: list[Outcome | None] = []
+    try:
+        for i in range(cfg.group_size):
+            workdir = tempfile.mkdtemp(prefix=f"s{i}-", dir=root)
+            env = suite.start(task_, workdir)
+            envs.append(env)
+            if i == 0 and (problems := check_env(env)):
+                raise SuiteError([f"rollout.suite={cfg.suite!r}: {p}" for p in problems])
+            sid, key = new_session(
+                gateway_url,
+                admin_token,
+                spec.group_id,
+                {
+                    "step": spec.step,
+                    "task_id": task_.task_id,
+                    "member": i,
+                    "group": spec.index,
+                    "cell_id": spec.cell_id,  # the gateway starts the session there
+                },
+            )
+            keys.append(key)
+            sids.append(sid)
+        outcomes = [None] * len(envs)
+
+        def one(i: int) -> None:
+            seed = cfg.seed * 100_003 + spec.task_seed * 101 + i
+            env = SlowEnv(envs[i], spec.env_step_s, spec.env_step_sigma, seed, stop.is_set)
+            ctx = HarnessContext(gateway_url, keys[i], env, harness_settings(cfg, seed))
+            outcomes[i] = asyncio.run(run_session(harness, ctx, cfg.timeout_s))
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(envs))]
+        for t in threads:
+            t.start()
+        watcher = None
+        if stop_event:
+            from distributed import Event, get_client
+
+            # the worker's client, taken on the task's thread (another thread cannot find it)
+            ev = Event(stop_event, client=get_client())
+            watcher = threading.Thread(target=_watch_stop, args=(ev, stop, done), daemon=True)
+            watcher.start()
+        for t in threads:  # run_session bounds itself (cfg.timeout_s); the join adds a margin
+            t.join(timeout=cfg.timeout_s + 60)
+        done.set()
+        if watcher is not None:
+            watcher.join(timeout=5)
+        final = [o or Outcome("failed", "session thread did not end") for o in outcomes]
+        with ThreadPoolExecutor(max_workers=min(4, len(envs))) as pool:
+            scored = list(pool.map(lambda eo: _evaluate(suite, *eo), zip(envs, final, strict=True)))
+    finally:
+        done.set()
+        for env in envs:
+            try:
+                env.close()
+            except Exception:
+                log.exception("closing an environment failed")
+        shutil.rmtree(root, ignore_errors=True)
+    rows, handles = [], []
+    for sid, out, scores in zip(sids, final, scored, strict=True):
+        rows += [{"run_id": run_id, "session_id": sid, **s.row()} for s in scores]
+        handles.append(
+            SessionHandle(
+                session_id=sid,
+                group_id=spec.group_id,
+                task_id=task_.task_id,
+                step=spec.step,
+                status=out.status,
+                subtasks=task_.weights,
+                reason=out.reason,
+                calls=out.calls,
+            )
+        )
+    store.append("scores", rows)
+    return handles
+
+
+@task(name="rollout-group", task_run_name="rollout-{spec.group_id}")
 def rollout_group(
     gateway_url: str,
     admin_token: str,
     store: Store,
     run_id: str,
-    step: int,
-    group_id: str,
-    task_seed: int,
-    cfg: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """Run ``cfg['group_size']`` sessions of one task concurrently; returns small handles."""
-    logger = get_run_logger()
-    envs, keys, sids = [], [], []
-    for i in range(cfg["group_size"]):
-        env = ArithEnv.create(task_seed, cfg["subtasks"])
-        sid, key = new_session(
-            gateway_url, admin_token, group_id, {"step": step, "task_id": env.task_id, "member": i}
-        )
-        envs.append(env)
-        keys.append(key)
-        sids.append(sid)
-
-    async def _all():
-        return await asyncio.gather(
-            *[
-                _run_session(
-                    gateway_url, k, e, cfg, seed=cfg["seed"] * 100_003 + task_seed * 101 + i
-                )
-                for i, (k, e) in enumerate(zip(keys, envs, strict=True))
-            ]
-        )
-
+    spec: GroupSpec,
+    cfg: RolloutConfig,
+    stop_event: str | None = None,
+) -> list[SessionHandle]:
+    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
     t0 = time.monotonic()
-    outcomes = asyncio.run(_all())
-    rows = []
-    handles = []
-    for sid, env, out in zip(sids, envs, outcomes, strict=True):
-        for r in env.score_rows():
-            rows.append({"run_id": run_id, "session_id": sid, **r})
-        handles.append(
-            {
-                "session_id": sid,
-                "group_id": group_id,
-                "task_id": env.task_id,
-                "step": step,
-                "subtasks": {t.subtask_id: t.weight for t in env.subtasks},
-                **out,
-            }
-        )
-    store.append("scores", rows)
-    n_calls = sum(h["calls"] for h in handles)
-    bad = [h for h in handles if h["status"] != "finished"]
-    logger.info(
+    handles = roll_out_group(gateway_url, admin_token, store, run_id, spec, cfg, stop_event)
+    bad = [h for h in handles if h.status != "finished"]
+    get_run_logger().info(
         "group %s: %d sessions, %d calls in %.1fs%s",
-        group_id,
+        spec.group_id,
         len(handles),
-        n_calls,
+        sum(h.calls for h in handles),
         time.monotonic() - t0,
         f", {len(bad)} not finished" if bad else "",
     )

@@ -1,26 +1,40 @@
-"""Prefect task: one optimizer step on a training cell, then publish the new version.
+"""Prefect task: one member's part of a data-parallel optimizer step, then (rank 0) publish.
 
-The trainer replica (model + optimizer) stays in the cell's process between
-steps; a cell that has none yet (first step, or a cell that just joined the
-training role) restores it from the newest checkpoint in the store, optimizer
-state included. The ledger records which samples each step consumed, and a
-step whose samples are already in the ledger is refused, so a retried or
-replayed step never trains a sample twice.
+The trainer replica (model + optimizer) stays in the cell's process between steps. A step
+over ``k`` train cells is ``k`` tasks, one pinned to each member (tasks/train/dp.py):
+members form the step's DP generation (a new one when the membership changed), a member
+that lacks the start version receives model and optimizer state from one that holds it (or
+all load the checkpoint), each trains a token-balanced shard with the whole batch's
+normaliser, gradients are summed over members, every member applies the same update.
+
+Rank 0 then commits the step: the checkpoint of the new version, the ``ledger`` (which
+samples the step consumed, with each one's policy lag) and the ``steps`` row. A step whose
+samples are already in the ledger is refused, so a retried or replayed step never trains a
+sample twice. The lag bound (``train.max_staleness``) is enforced here, at the version the
+step starts from: older tokens are dropped (``stale_policy=drop``) or importance-corrected
+(``is``).
 """
 
 from __future__ import annotations
 
+import math
+import random
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.logging import get_run_logger
 
-from infra.cells.cluster import this_cell
+from infra.cells.cluster import cell_name, this_cell
 from storage.checkpoints import fetch_checkpoint, latest_version, publish_checkpoint
 from storage.store import Store
+from tasks.handles import TrainedStep
+from tasks.train import dp
+from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
 from tasks.trajectory.sampler import Sample
 
@@ -35,22 +49,60 @@ def load_samples(store: Store, segment: str) -> list[Sample]:
     return [Sample.from_row(r) for r in rows]
 
 
-def _trainer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+def sample_lag(sample: Sample, version: int) -> tuple[float, int, int]:
+    """Policy lag of a sample trained from weights ``version``: (token-weighted mean, max,
+    policy tokens). Policy tokens are those with a version (``>= 0``); (nan, -1, 0) if none."""
+    v = sample.versions[sample.versions >= 0]
+    if v.size == 0:
+        return math.nan, -1, 0
+    lag = version - v
+    return float(lag.mean()), int(lag.max()), int(v.size)
+
+
+def drop_stale(sample: Sample, version: int, max_lag: int) -> tuple[Sample, int]:
+    """The sample with no loss weight on tokens older than ``version - max_lag``; returns it
+    and how many trainable tokens were dropped (their context stays: later tokens see it)."""
+    old = (sample.versions >= 0) & (sample.versions < version - max_lag) & sample.trainable_mask
+    n = int(old.sum())
+    if n == 0:
+        return sample, 0
+    wp, wn = sample.weight_pos.copy(), sample.weight_neg.copy()
+    wp[old] = 0.0
+    wn[old] = 0.0
+    return replace(sample, weight_pos=wp, weight_neg=wn), n
+
+
+def _trainer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return {
-        "lr": cfg["lr"],
-        "loss": cfg["loss"],
-        "clip_eps_low": cfg["clip_eps_low"],
-        "clip_eps_high": cfg["clip_eps_high"],
-        "max_tokens_per_micro": cfg["max_tokens_per_micro"],
-        "seed": cfg["seed"],
-        "is_cap": cfg["is_cap"],
+        "lr": cfg.lr,
+        "loss": cfg.loss,
+        "clip_eps_low": cfg.clip_eps_low,
+        "clip_eps_high": cfg.clip_eps_high,
+        "max_tokens_per_micro": cfg.max_tokens_per_micro,
+        "seed": cfg.seed,
+        "is_cap": cfg.is_cap,
         # "is": stale tokens reach the trainer and get truncated importance weights;
-        # "drop": the sampler already removed them
-        "max_staleness": cfg["max_staleness"] if cfg["stale_policy"] == "is" else None,
+        # "drop": they lost their weight before (drop_stale)
+        "max_staleness": cfg.max_staleness if cfg.stale_policy == "is" else None,
+        # score tokens under the distribution they were sampled from (flows/config.py fills
+        # these from the rollout section when unset)
+        "temperature": cfg.temperature if cfg.temperature is not None else 1.0,
+        "top_p": cfg.top_p if cfg.top_p is not None else 1.0,
+        "kl_coef": cfg.kl_coef,
+        "entropy_coef": cfg.entropy_coef,
     }
 
 
-def get_trainer(store: Store, run_id: str, cfg: dict[str, Any], holder: Any = None) -> Trainer:
+def restore_trainer(store: Store, run_id: str, version: int, cfg: TrainConfig) -> Trainer:
+    """A replica at ``version`` from the store's checkpoint, optimizer state included."""
+    path = fetch_checkpoint(store, run_id, version, with_optimizer=True)
+    kwargs = _trainer_kwargs(cfg)
+    if cfg.kl_coef > 0:  # the KL term's reference: the run's first weights (the warm start)
+        kwargs["ref_model_dir"] = fetch_checkpoint(store, run_id, 0)
+    return Trainer.load(path, version=version, **kwargs)
+
+
+def get_trainer(store: Store, run_id: str, cfg: TrainConfig, holder: Any = None) -> Trainer:
     """The cell's trainer replica at the newest version, restored from the store if needed."""
     version = latest_version(store, run_id)
     if version is None:
@@ -58,40 +110,52 @@ def get_trainer(store: Store, run_id: str, cfg: dict[str, Any], holder: Any = No
     key = (store.url, run_id, version)
     if holder is not None and holder.trainer is not None and holder.trainer_key == key:
         return holder.trainer
-    path = fetch_checkpoint(store, run_id, version, with_optimizer=True)
-    trainer = Trainer.load(path, version=version, **_trainer_kwargs(cfg))
+    trainer = restore_trainer(store, run_id, version, cfg)
     if holder is not None:
         holder.trainer, holder.trainer_key = trainer, key
     return trainer
 
 
-def train_on_samples(
-    store: Store,
-    run_id: str,
-    step: int,
-    samples_segment: str | None,
-    cfg: dict[str, Any],
-    *,
-    holder: Any = None,
-    cell_id: str = "local",
-) -> dict[str, Any]:
-    """The body of ``train_step`` (callable without Prefect and Dask, e.g. in tests)."""
-    t0 = time.time()
-    samples = load_samples(store, samples_segment) if samples_segment else []
+def _check_ledger(store: Store, run_id: str, step: int, samples: list[Sample]) -> None:
     ledger = store.read("ledger")
-    done = set(ledger["sample_id"].to_pylist()) if ledger.num_rows else set()
+    if not ledger.num_rows:
+        return
+    done = {
+        sid
+        for rid, sid in zip(
+            ledger["run_id"].to_pylist(), ledger["sample_id"].to_pylist(), strict=True
+        )
+        if rid == run_id
+    }
     again = [s.sample_id for s in samples if s.sample_id in done]
     if again:
         raise LedgerError(f"step {step}: {len(again)} samples already trained, e.g. {again[0]!r}")
-    trainer = get_trainer(store, run_id, cfg, holder)
-    metrics = trainer.step(samples)
+
+
+def commit_step(
+    store: Store,
+    run_id: str,
+    step: int,
+    trainer: Trainer,
+    start_version: int,
+    samples: list[Sample],
+    metrics: dict[str, float],
+    *,
+    members: tuple[str, ...],
+    t_start: float,
+    generation: int = 0,
+    mode: str = "",
+) -> TrainedStep:
+    """Publish the new version's checkpoint, then the ledger and the step's row."""
     version = trainer.version
     with tempfile.TemporaryDirectory(prefix="gyre-ckpt-") as tmp:
         trainer.save(tmp)
         url = publish_checkpoint(store, run_id, tmp, version)
-    if holder is not None:
-        holder.trainer_key = (store.url, run_id, version)
     t1 = time.time()
+    lags = [sample_lag(s, start_version) for s in samples]
+    n_tok = sum(n for _, _, n in lags)
+    lag_mean = sum(m * n for m, _, n in lags if n) / n_tok if n_tok else 0.0
+    lag_max = max((x for _, x, n in lags if n), default=0)
     store.append(
         "ledger",
         [
@@ -101,8 +165,10 @@ def train_on_samples(
                 "sample_id": s.sample_id,
                 "weight_version": version,
                 "t": t1,
+                "lag_mean": None if math.isnan(lm) else lm,
+                "lag_max": lx if n else None,
             }
-            for s in samples
+            for s, (lm, lx, n) in zip(samples, lags, strict=True)
         ],
     )
     store.append(
@@ -118,39 +184,185 @@ def train_on_samples(
                 "reward": metrics["train/reward_mean"],
                 "n_samples": len(samples),
                 "grad_norm": metrics["train/grad_norm"],
-                "mean_staleness": metrics["train/staleness_mean"],
-                "cells": [cell_id],
-                "t_start": t0,
+                "mean_staleness": lag_mean,
+                "cells": list(members),
+                "t_start": t_start,
                 "t_end": t1,
                 "checkpoint": url,
+                "lag_mean": lag_mean,
+                "lag_max": lag_max,
+                "n_members": len(members),
+                "generation": generation,
+                "mode": mode,
+                "dropped_tokens": int(metrics.get("train/dropped_stale_tokens", 0)),
             }
         ],
     )
-    return {"weight_version": version, "checkpoint": url, **metrics}
+    metrics = {**metrics, "train/lag_mean": lag_mean, "train/lag_max": float(lag_max)}
+    return TrainedStep(step=step, weight_version=version, checkpoint=url, metrics=metrics)
 
 
-@task(name="train-step", task_run_name="train-step-{step}")
-def train_step(
-    store: Store, run_id: str, step: int, samples_segment: str | None, cfg: dict[str, Any]
-) -> dict[str, Any]:
-    """One optimizer step on this training cell; returns the new version and metrics."""
-    cell = this_cell()
-    out = train_on_samples(
+def train_on_samples(
+    store: Store,
+    run_id: str,
+    step: int,
+    samples_segment: str | None,
+    cfg: TrainConfig,
+    *,
+    holder: Any = None,
+    cell_id: str = "local",
+) -> TrainedStep:
+    """One step on one member, without Prefect, Dask or a process group (tests, tools)."""
+    t0 = time.time()
+    samples = load_samples(store, samples_segment) if samples_segment else []
+    _check_ledger(store, run_id, step, samples)
+    trainer = get_trainer(store, run_id, cfg, holder)
+    start = trainer.version
+    metrics = trainer.step(samples)
+    if holder is not None:
+        holder.trainer_key = (store.url, run_id, trainer.version)
+    return commit_step(
+        store, run_id, step, trainer, start, samples, metrics, members=(cell_id,), t_start=t0
+    )
+
+
+def member_step(
+    store: Store,
+    run_id: str,
+    plan: dp.StepPlan,
+    rank: int,
+    cfg: TrainConfig,
+    *,
+    holder: Any,
+    s_per_token: float = 0.0,
+    timeout_s: float = 600.0,
+    backend: str = "auto",
+    mode: str = "",
+) -> TrainedStep:
+    """The body of ``train_member``: this member's part of ``plan`` (callable without Prefect).
+
+    ``holder`` keeps the replica and the DP group between steps (the cell's plugin).
+    ``s_per_token``: paced device time per forwarded token of this member's shard.
+    """
+    t0 = time.time()
+    rv = plan.rendezvous(rank)
+    if holder.dp is None or holder.dp.rv != rv:
+        if holder.dp is not None:
+            holder.dp.close()
+            holder.dp = None
+        holder.dp = dp.DPGroup(rv, backend=backend, timeout_s=timeout_s)
+    group = holder.dp
+    run = (store.url, run_id)
+    mine = holder.trainer if getattr(holder, "trainer_run", None) == run else None
+    trainer, how = dp.sync_state(
+        group,
+        mine,
+        plan.version,
+        lambda: restore_trainer(store, run_id, plan.version, cfg),
+    )
+    holder.trainer, holder.trainer_run = trainer, run
+    samples = [s for seg in plan.segments for s in load_samples(store, seg)]
+    samples.sort(key=lambda s: s.sample_id)  # the same order on every member
+    random.Random(plan.shuffle_seed).shuffle(samples)
+    if rank == 0:
+        _check_ledger(store, run_id, plan.step, samples)
+    dropped = 0
+    if cfg.stale_policy == "drop":
+        kept = []
+        for s in samples:
+            s2, n = drop_stale(s, plan.version, cfg.max_staleness)
+            kept.append(s2)
+            dropped += n
+        train_on = kept
+    else:
+        train_on = samples
+    parts = dp.shard([s.n_tokens for s in train_on], group.world)
+    mine = [train_on[i] for i in parts[rank]]
+    normalizer = float(sum(s.n_flat_trainable for s in train_on)) or 1.0
+    t_compute = time.monotonic()
+    metrics = trainer.step(
+        mine,
+        current_version=plan.version,
+        normalizer=normalizer,
+        reduce_grads=_paced(group, t_compute, s_per_token * sum(s.n_tokens for s in mine)),
+    )
+    metrics = group.reduce_metrics(metrics)
+    rewards = [s.reward for s in samples]
+    metrics["train/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
+    metrics["train/dropped_stale_tokens"] = float(dropped)
+    metrics["train/dp_sync"] = {"kept": 0.0, "broadcast": 1.0, "checkpoint": 2.0}[how]
+    if rank != 0:
+        return TrainedStep(
+            step=plan.step, weight_version=trainer.version, checkpoint="", metrics=metrics
+        )
+    return commit_step(
         store,
         run_id,
-        step,
-        samples_segment,
+        plan.step,
+        trainer,
+        plan.version,
+        samples,
+        metrics,
+        members=plan.members,
+        t_start=t0,
+        generation=plan.generation,
+        mode=mode,
+    )
+
+
+def _paced(group: dp.DPGroup, started: float, device_s: float):
+    """The DP gradient reduction, after this member's paced device time has passed."""
+
+    def reduce(model) -> None:
+        dp.pace(started, device_s)
+        group.reduce_grads(model)
+
+    return reduce
+
+
+def member_on_cell(
+    store: Store, run_id: str, plan: dp.StepPlan, rank: int, cfg: TrainConfig, **kw
+) -> TrainedStep:
+    """``member_step`` on the training cell running the caller (a Dask task), whose plugin
+    keeps the replica and the DP group between steps."""
+    return member_step(store, run_id, plan, rank, cfg, holder=this_cell(), **kw)
+
+
+@task(name="train-member", task_run_name="train-step-{plan.step}-r{rank}")
+def train_member(
+    store: Store,
+    run_id: str,
+    plan: dp.StepPlan,
+    rank: int,
+    cfg: TrainConfig,
+    s_per_token: float = 0.0,
+    timeout_s: float = 600.0,
+    backend: str = "auto",
+    mode: str = "",
+) -> TrainedStep:
+    """This training cell's part of one data-parallel step (rank 0 publishes the version)."""
+    cell = this_cell()
+    out = member_on_cell(
+        store,
+        run_id,
+        plan,
+        rank,
         cfg,
-        holder=cell,
-        cell_id="cell-" + cell.worker_address.rsplit(":", 1)[-1],
+        s_per_token=s_per_token,
+        timeout_s=timeout_s,
+        backend=backend,
+        mode=mode,
     )
-    get_run_logger().info(
-        "step %d -> v%d: loss %.4f, %d tokens (%d trainable), grad norm %.3f",
-        step,
-        out["weight_version"],
-        out["train/loss"],
-        out["train/tokens"],
-        out["train/trainable_tokens"],
-        out["train/grad_norm"],
-    )
+    if rank == 0:
+        get_run_logger().info(
+            "step %d -> v%d on %d member(s) (%s): loss %.4f, %d tokens, lag mean %.2f max %d",
+            plan.step,
+            out.weight_version,
+            len(plan.members),
+            cell_name(cell.worker_address),
+            out.metrics["train/loss"],
+            out.metrics["train/tokens"],
+            out.metrics["train/lag_mean"],
+            out.metrics["train/lag_max"],
+        )
     return out

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
-os.environ.setdefault("GYRE_PROGRESS", "0")
+os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm reads TQDM_* defaults
 
 
 @pytest.fixture(scope="session")

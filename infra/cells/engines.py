@@ -1,21 +1,19 @@
-"""The engine of a rollout cell: start it in the cell's process, load new weights.
+"""The engine of a rollout cell: start it in the cell's process, park it, load new weights.
 
 These run inside a cell through ``Cells.run_on(address, fn, ...)``, which hands
-them the cell's ``CellPlugin``. Weight loads go through the engine's own HTTP
-API (``/update_weights_from_disk``), the same verb an SGLang server takes, so a
-cell backed by SGLang is driven the same way.
+them the cell's ``CellPlugin``. Weight loads go through the engine client
+(``/update_weights_from_disk``), the same verb an SGLang server takes, so a cell
+backed by SGLang is driven the same way.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
-import threading
 from typing import Any
 
-import httpx
-
+from infra.engine_api.client import EngineClient
 from storage.checkpoints import fetch_checkpoint
 from storage.store import Store
 
@@ -30,60 +28,76 @@ def start_engine(
     weight_version: int = 0,
     max_batch_size: int = 16,
     kv_cache_tokens: int = 262_144,
+    audit_dir: str | None = None,
+    decode_step_s: float = 0.0,
+    prefill_tokens_per_s: float = 0.0,
 ) -> str:
-    """Start (once) the embedded engine and its HTTP server in this cell; returns its URL."""
+    """Start (once) the embedded engine and its HTTP server in this cell; returns its URL.
+
+    A cell that left the rollout role keeps its engine parked (see ``park_engine``), so a
+    return to rollout only loads new weights. ``audit_dir``: the engine appends every
+    request it admits to ``{audit_dir}/{cell_id}.jsonl`` (config ``model.audit_dir``).
+    ``decode_step_s`` / ``prefill_tokens_per_s``: paced device time (infra/cells/pacing.py).
+    """
+    from infra.cells.pacing import PacedEngine
     from infra.engine.engine import Engine
     from infra.engine.server import EngineServer
 
     with plugin.lock:
         if plugin.server is None:
-            plugin.engine = Engine(
-                model_dir,
-                weight_version=weight_version,
-                max_batch_size=max_batch_size,
-                kv_cache_tokens=kv_cache_tokens,
-                cell_id=cell_id,
-            )
-            audit_dir = os.environ.get("GYRE_ENGINE_AUDIT_DIR")
-            if audit_dir:
-                audit_inputs(plugin.engine, os.path.join(audit_dir, f"{cell_id}.jsonl"))
+            kw = {
+                "weight_version": weight_version,
+                "max_batch_size": max_batch_size,
+                "kv_cache_tokens": kv_cache_tokens,
+                "cell_id": cell_id,
+                "audit_path": os.path.join(audit_dir, f"{cell_id}.jsonl") if audit_dir else None,
+            }
+            if decode_step_s or prefill_tokens_per_s:
+                plugin.engine = PacedEngine(
+                    model_dir,
+                    decode_step_s=decode_step_s,
+                    prefill_tokens_per_s=prefill_tokens_per_s,
+                    **kw,
+                )
+            else:
+                plugin.engine = Engine(model_dir, **kw)
             plugin.server = EngineServer(plugin.engine, host="127.0.0.1", port=0)
             plugin.engine_url = plugin.server.start()
         return plugin.engine_url
 
 
-def audit_inputs(engine: Any, path: str) -> None:
-    """Append every request the engine receives (rid, input ids) to a JSONL file.
-
-    For audits and tests of token exactness: what the engine was asked is then
-    comparable with what the gateway recorded in TITO. Set GYRE_ENGINE_AUDIT_DIR.
-    """
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fh = open(path, "a")  # noqa: SIM115  (lives as long as the engine)
-    lock = threading.Lock()
-    submit = engine.submit
-
-    def audited_submit(input_ids, *args, **kwargs):
-        req = submit(input_ids, *args, **kwargs)
-        line = json.dumps({"rid": req.rid, "input_ids": [int(t) for t in req.input_ids]})
-        with lock:
-            fh.write(line + "\n")
-            fh.flush()
-        return req
-
-    engine.submit = audited_submit
-
-
 def load_weights(plugin: Any, store: Store, run_id: str, version: int) -> dict[str, Any]:
-    """Fetch checkpoint ``version`` to this cell and swap it into the engine."""
+    """Fetch checkpoint ``version`` to this cell and swap it into the engine.
+
+    Calls in flight are aborted and resubmitted by the gateway with their partial output
+    (the harness sees nothing), so no recorded call claims a newer version than its oldest
+    token: policy lag is never under-counted.
+    """
     path = fetch_checkpoint(store, run_id, version)
-    r = httpx.post(
-        f"{plugin.engine_url}/update_weights_from_disk",
-        json={"model_path": path, "weight_version": str(version), "flush_cache": True},
-        timeout=600,
-    )
-    r.raise_for_status()
-    body = r.json()
-    if not body.get("success", False):
-        raise RuntimeError(f"engine refused v{version}: {body.get('message')}")
-    return body
+
+    async def update() -> dict[str, Any]:
+        async with EngineClient(plugin.engine_url) as client:
+            return await client.update_weights_from_disk(
+                path, version, abort_all_requests=True, flush_cache=True
+            )
+
+    return asyncio.run(update())
+
+
+def park_engine(plugin: Any) -> dict[str, Any]:
+    """A cell leaving the rollout role keeps its engine, with an empty KV cache (the memory
+    goes to training); returns the engine's load for the record."""
+    eng = plugin.engine
+    if eng is None:
+        return {}
+    eng.flush_cache()
+    load = eng.load()
+    return {"paced_s": getattr(eng, "paced_s", 0.0), **load}
+
+
+def engine_stats(plugin: Any) -> dict[str, Any]:
+    """The cell's engine counters (decode steps, prefill tokens, paced device time)."""
+    eng = plugin.engine
+    if eng is None:
+        return {}
+    return {"paced_s": getattr(eng, "paced_s", 0.0), **eng.load()}

@@ -7,10 +7,10 @@ What it does (DESIGN.md §5, issue 3):
 - **Continuous batching**: one scheduler thread. Running requests decode together, one token
   per step, in a left-padded batch KV buffer (`BatchKV`); new requests are prefilled (chunked)
   between decode steps and then join the batch.
-- **Logprobs**: for each output token, ``log_softmax(raw logits)[token]`` — the model's own
-  distribution at temperature 1 before temperature / top-k / top-p, as SGLang reports by
-  default. Sampling params change which token is chosen, never the reported number. Matches a
-  full forward recompute of the sequence (fp32) to ~1e-6.
+- **Logprobs**: for each output token, its logprob under the distribution it was drawn from:
+  logits / temperature, cut to top-k and top-p, renormalised (`infra.engine.sampling`; the raw
+  ``log_softmax`` when greedy). A trainer scoring the tokens under the same processing gets
+  importance ratio 1 at zero staleness. Matches a full forward recompute (fp32) to ~1e-6.
 - **Sampling**: greedy at temperature 0; otherwise temperature, top-k, top-p, then a draw from
   the request's own `torch.Generator` (seeded with ``sampling_seed``), so seeded output does not
   depend on what else is in the batch.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import logging
 import os
 import queue
@@ -49,7 +50,7 @@ import torch
 from infra.engine.batch_kv import BatchKV
 from infra.engine.errors import EngineInputError
 from infra.engine.radix_cache import RadixCache
-from infra.engine.sampling import SamplingParams, sample_batch, sample_next
+from infra.engine.sampling import SamplingParams, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,13 @@ class Engine:
         dtype=torch.float32,
         cell_id: str = "local",
         torch_threads: int | None = 1,
+        audit_path: str | None = None,
     ):
         """Load `model_dir` and start the scheduler thread.
+
+        `audit_path`: append every admitted request (``{"rid", "input_ids"}``) to this
+        JSONL file, so that what the engine was asked can be audited against what the
+        gateway recorded in TITO (token exactness, end to end).
 
         `torch_threads`: intra-op threads of the scheduler thread (`torch.set_num_threads`
         there; with torch's OpenMP backend other threads keep their own). The default 1 is
@@ -123,6 +129,7 @@ class Engine:
         4.7 ms). None leaves torch's setting alone.
         """
         self.model_dir = str(model_dir)
+        self._audit = _AuditLog(audit_path) if audit_path else None
         self.device = torch.device(device)
         self.dtype = dtype
         self.cell_id = cell_id
@@ -233,6 +240,8 @@ class Engine:
         )
         if listener is not None:
             req.listeners.append(listener)
+        if self._audit is not None:
+            self._audit.write(req.rid, ids)
         with self._wake:
             self._inbox.append(req)
             self._wake.notify()
@@ -442,6 +451,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._audit is not None:
+            self._audit.close()
         self._kick()
         self._thread.join(timeout=10)
         for r in self._inbox + self._waiting + self._running:
@@ -721,7 +732,7 @@ class Engine:
         req.prefill_kv, req.prefill_pos = None, 0
         self._waiting.remove(req)
         if not req.output_ids:
-            reason = self._emit(req, logits[0])
+            reason = self._append(req, *self._choose(logits[:1], [req])[0])
             if reason is not None:
                 self._release(req)
                 self._note_kv()
@@ -765,13 +776,8 @@ class Engine:
         batch.advance(1)
         self.stats["engine/decode_steps"] += 1
         self._note_kv()
-        if type(self)._emit is Engine._emit:  # one batched draw for every row
-            picks = sample_batch(
-                logits, [r.params for r in self._running], [r.generator for r in self._running]
-            )
-            reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
-        else:  # a subclass hooks the per-row choice (tests script tokens this way)
-            reasons = [self._emit(r, logits[b]) for b, r in enumerate(self._running)]
+        picks = self._choose(logits, self._running)
+        reasons = [self._append(r, *pick) for r, pick in zip(self._running, picks, strict=True)]
         done = [(b, r, why) for b, (r, why) in enumerate(zip(self._running, reasons, strict=True))]
         done = [(b, r, why) for b, r, why in done if why is not None]
         if done:
@@ -779,13 +785,14 @@ class Engine:
             for _, r, reason in done:
                 self._finish(r, reason)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> dict | None:
-        """Sample and append one token for `req`; returns the finish reason if it is done.
+    def _choose(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, float]]:
+        """(token, raw logprob) for each row of ``logits`` (B, V): one batched draw.
 
-        The caller finishes the request (after taking its KV out of the batch), so a waiter
-        woken by ``req.done`` already sees the engine without it.
+        The caller appends each choice (`_append`) and finishes the requests that are done
+        (after taking their KV out of the batch), so a waiter woken by ``req.done`` already sees
+        the engine without it.
         """
-        return self._append(req, *sample_next(logits, req.params, req.generator))
+        return sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
     def _append(self, req: Request, token: int, logprob: float) -> dict | None:
         """Append a chosen token to `req`; returns the finish reason if it is done."""
@@ -830,3 +837,22 @@ class Engine:
         req.finished_at = time.time()
         req.done.set()
         req.notify()
+
+
+class _AuditLog:
+    """Append-only JSONL of the requests an engine admitted (see ``Engine(audit_path=)``)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fh = open(path, "a")  # noqa: SIM115  (lives as long as the engine)
+        self._lock = threading.Lock()
+
+    def write(self, rid: str, input_ids) -> None:
+        line = json.dumps({"rid": rid, "input_ids": [int(t) for t in input_ids]})
+        with self._lock:
+            self._fh.write(line + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._fh.close()

@@ -1,9 +1,15 @@
 """Sampling parameters (SGLang field names) and the per-request next-token choice.
 
-The reported logprob is ``log_softmax(logits)[token]`` of the *raw* logits (temperature 1, no
-top-k/top-p): the behaviour policy's own probability of the token, which is what RL needs for
-importance ratios and what SGLang reports by default. Temperature, top-k and top-p only change
-which token is drawn. Greedy (temperature 0) takes the argmax.
+The reported logprob is that of the distribution the token was actually drawn from: the
+logits divided by the temperature, cut to top-k and then to top-p, renormalised over what is
+left. That is the behaviour policy's probability of the token, which is what RL needs for
+importance ratios: a trainer scoring the same tokens under the same processing
+(tasks/train/logprobs.py) gets ratio 1 at zero staleness. Greedy (temperature 0) takes the
+argmax and reports the raw ``log_softmax(logits)[token]`` (a point mass has no useful
+logprob; train greedy rollouts at temperature 1).
+
+SGLang by default reports ``log_softmax(logits / temperature)`` *before* top-k / top-p (and the
+raw one with ``SGLANG_RETURN_ORIGINAL_LOGPROB``); with top_p = 1 and no top-k the two agree.
 """
 
 from __future__ import annotations
@@ -132,14 +138,17 @@ def _coerce(key: str, value):
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, float]:
-    """Choose the next token from raw `logits` (V,) fp32; return (token, raw logprob)."""
+    """Choose the next token from raw `logits` (V,) fp32; return (token, logprob drawn with)."""
     return sample_batch(logits.unsqueeze(0), [params], [generator])[0]
 
 
 def sample_batch(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[tuple[int, float]]:
-    """Next token of each row of raw `logits` (B, V) fp32: [(token, raw logprob)] * B.
+    """Next token of each row of raw `logits` (B, V) fp32: [(token, logprob)] * B.
+
+    The logprob is the token's under the processed distribution it was drawn from
+    (temperature, top-k, top-p, renormalised); greedy rows report the raw log-softmax.
 
     Each sampled row is an inverse-CDF draw with one uniform from that row's own generator, so
     a seeded request's tokens depend only on its logits and seed, not on the other rows; the
@@ -147,8 +156,9 @@ def sample_batch(
     `torch.multinomial` at B=16).
     """
     B, V = logits.shape
-    logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)  # greedy rows keep these
+    # greedy rows report the raw log-softmax; sampled rows are overwritten below
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     sampled = [b for b in range(B) if params[b].temperature != 0]
     if sampled:
         rows = torch.tensor(sampled)
@@ -161,13 +171,16 @@ def sample_batch(
             kth = top[torch.arange(len(ps)), torch.tensor([max(k, 1) for k in ks]) - 1]
             kth = torch.where(torch.tensor(ks) > 0, kth, torch.full_like(kth, float("-inf")))
             scores = scores.masked_fill(scores < kth.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)  # what is drawn from (after temperature, top-k)
+        log_q = torch.log_softmax(scores, dim=-1)  # what is reported
         u = torch.cat([torch.rand(1, generator=generators[b], dtype=probs.dtype) for b in sampled])
         nucleus = [i for i, p in enumerate(ps) if p.top_p < 1.0]
         plain = [i for i, p in enumerate(ps) if p.top_p >= 1.0]
         if plain:  # no top-p: draw from the distribution as it is
             idx = torch.tensor(plain)
-            tokens[rows[idx]] = _draw(probs[idx], u[idx])
+            tok = _draw(probs[idx], u[idx])
+            tokens[rows[idx]] = tok
+            chosen[rows[idx]] = log_q[idx].gather(1, tok.unsqueeze(1)).squeeze(1)
         if nucleus:  # top-p needs the sorted distribution (a sort costs ~0.1 ms a row)
             idx = torch.tensor(nucleus)
             sorted_probs, order = torch.sort(probs[idx], dim=-1, descending=True)
@@ -176,8 +189,11 @@ def sample_batch(
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
             j = _draw(sorted_probs, u[idx])
-            tokens[rows[idx]] = order.gather(1, j.unsqueeze(1)).squeeze(1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            tok = order.gather(1, j.unsqueeze(1)).squeeze(1)
+            tokens[rows[idx]] = tok
+            # renormalised over the nucleus: log q(tok) - log(mass kept)
+            kept = torch.log(sorted_probs.sum(dim=-1))
+            chosen[rows[idx]] = log_q[idx].gather(1, tok.unsqueeze(1)).squeeze(1) - kept
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
 
 

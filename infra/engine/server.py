@@ -19,17 +19,18 @@ Bad input (invalid token ids, too long a context, malformed JSON, bad params) an
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
+import orjson
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from infra.engine.detokenizer import IncrementalDetokenizer
@@ -42,6 +43,18 @@ log = logging.getLogger(__name__)
 VERSION = "gyre-embedded-0.1"
 
 
+def _dumps(obj: Any) -> bytes:
+    # non-finite floats (a -inf logprob) become null, as SGLang's orjson answers have them
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _dumps(content)
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
     kind = "BadRequest" if status == 400 else "InternalError"
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
@@ -52,8 +65,8 @@ async def _json_body(request: HTTPRequest) -> dict:
     if not raw:
         return {}
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise EngineInputError(f"malformed JSON body: {e}") from e
     if not isinstance(body, dict):
         raise EngineInputError("the JSON body must be an object")
@@ -112,11 +125,11 @@ def build_app(engine: Engine) -> Starlette:
                             req, upto=None if finished else n, detokenizer=detok
                         )
                         sent = n
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield b"data: " + _dumps(chunk) + b"\n\n"
                     if finished:
                         break
                     await updates.get()
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
             finally:
                 if not req.done.is_set():  # client went away: stop generating for it
                     engine.cancel(req, "client disconnected")
@@ -225,13 +238,22 @@ class EngineServer:
     def start(self, timeout: float = 30.0) -> str:
         """Start serving; return the base URL once /health answers."""
         # proto=IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) on accepted connections only
-        # for such sockets; without it every response stalled ~40 ms on delayed ACKs
+        # for such sockets; without it every response stalled ~40 ms on delayed ACKs (uvloop
+        # sets TCP_NODELAY itself; the explicit protocol keeps the fix whatever the loop)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            build_app(self.engine), log_level="warning", access_log=False, lifespan="off"
+        config = uvicorn.Config(  # uvicorn's fast stack: httptools parser, uvloop loop
+            build_app(self.engine),
+            http="httptools",
+            loop="uvloop",
+            ws="none",
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            date_header=False,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from storage.paths import cache_dir
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -140,8 +142,7 @@ Thank you! You're welcome. Could you please clarify what you mean? Sure, here is
 
 
 def _default_dir(seed: int) -> Path:
-    cache = Path(os.environ.get("GYRE_CACHE", Path.home() / ".cache" / "gyre"))
-    return cache / "models" / f"tiny-qwen3-s{seed}"
+    return cache_dir() / "models" / f"tiny-qwen3-s{seed}"
 
 
 def _is_complete(path: Path) -> bool:

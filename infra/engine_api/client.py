@@ -13,41 +13,36 @@ generation may already have run and must not be silently repeated.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from infra.engine_api.http1 import ConnectFailed, Disconnected, Http1Pool, HttpError, Response
+import numpy as np
+import orjson
+
+from infra.engine_api.http1 import Http1Pool
+from infra.engine_api.transport import (
+    AiohttpPool,
+    ConnectFailed,
+    Disconnected,
+    HttpError,
+    Response,
+)
 
 if TYPE_CHECKING:
     import httpx
 
-try:  # orjson comes with prefect; ~5x faster on token-id lists. Same output, else json.
-    import orjson
 
-    def _dumps(obj: Any) -> bytes:
-        try:
-            return orjson.dumps(obj)
-        except TypeError:  # e.g. numpy scalars, which json handles differently
-            return json.dumps(obj).encode()
+def _dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    def _loads(raw: bytes) -> Any:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:  # NaN / Infinity, which json accepts
-            return json.loads(raw)
 
-except ImportError:  # pragma: no cover
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj).encode()
-
-    _loads = json.loads
+_loads = orjson.loads
 
 log = logging.getLogger(__name__)
 
+DEFAULT_TRANSPORT = "http1"  # for http:// (see BENCHMARKS.md, "Engine client")
 CONNECT_RETRIES = 4
 BACKOFF_S = 0.25
 JSON = "application/json"
@@ -76,7 +71,7 @@ def _message(resp: Response) -> str:
             return str(body["message"])
         if "detail" in body:
             return str(body["detail"])
-    return json.dumps(body)
+    return _dumps(body).decode()
 
 
 class _HttpxPool:
@@ -139,17 +134,24 @@ class EngineClient:
         base_url: str,
         *,
         timeout: float = 600.0,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: str | httpx.AsyncBaseTransport | None = None,
     ):
-        """`transport` replaces the network with an httpx transport (tests pass an
+        """``transport``: ``"http1"`` (`Http1Pool`, the default for ``http://``),
+        ``"aiohttp"`` (the default for ``https://``), or an httpx transport (tests pass an
         `httpx.MockTransport`; ``httpx.AsyncHTTPTransport()`` is the former httpx path)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         connect = min(10.0, timeout)
-        if transport is None and self.base_url.startswith("http://"):
+        if transport is None:
+            transport = DEFAULT_TRANSPORT if self.base_url.startswith("http://") else "aiohttp"
+        if transport == "http1":
             self._http = Http1Pool(
                 self.base_url, connect_timeout=connect, read_timeout=timeout, max_idle=64
             )
+        elif transport == "aiohttp":
+            self._http = AiohttpPool(self.base_url, connect_timeout=connect, read_timeout=timeout)
+        elif isinstance(transport, str):
+            raise ValueError(f"unknown transport {transport!r}: use 'http1' or 'aiohttp'")
         else:
             self._http = _HttpxPool(self.base_url, transport, connect, timeout)
 
@@ -197,7 +199,7 @@ class EngineClient:
     @staticmethod
     def _payload(input_ids, sampling_params, rid, return_logprob, stream) -> dict:
         payload = {
-            "input_ids": list(input_ids),
+            "input_ids": input_ids if isinstance(input_ids, np.ndarray) else list(input_ids),
             "sampling_params": dict(sampling_params or {}),
             "return_logprob": return_logprob,
             "stream": stream,
@@ -208,7 +210,7 @@ class EngineClient:
 
     async def generate(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | np.ndarray,
         sampling_params: dict | None = None,
         *,
         rid: str | None = None,
@@ -220,7 +222,7 @@ class EngineClient:
 
     async def generate_stream(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | np.ndarray,
         sampling_params: dict | None = None,
         *,
         rid: str | None = None,
@@ -293,6 +295,39 @@ class EngineClient:
             payload["weight_version"] = str(weight_version)
         return await self._json("POST", "/update_weights_from_disk", payload)
 
+    @classmethod
+    def update_weights_blocking(
+        cls,
+        base_url: str,
+        model_path: str,
+        weight_version: int | str | None = None,
+        *,
+        timeout: float = 600.0,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict:
+        """`update_weights_from_disk` for a caller without an event loop (a Dask cell loading
+        a checkpoint into its engine): a short-lived client on its own loop. Raises
+        `EngineError` when the engine refuses the load (HTTP error or ``success: false``)."""
+
+        async def run() -> dict:
+            async with cls(base_url, timeout=timeout) as c:
+                return await c.update_weights_from_disk(
+                    model_path,
+                    weight_version,
+                    abort_all_requests=abort_all_requests,
+                    flush_cache=flush_cache,
+                )
+
+        body = asyncio.run(run())
+        if not body.get("success", False):
+            raise EngineError(
+                f"the engine refused {model_path} (version {weight_version}): "
+                f"{body.get('message')}",
+                url=base_url,
+            )
+        return body
+
     async def flush_cache(self) -> None:
         try:
             await self._request("POST", "/flush_cache")
@@ -332,7 +367,7 @@ class EngineClient:
     async def export_kv(self, input_ids: list[int]) -> bytes:
         """gyre extension: the serialized KV of the engine's longest cached prefix of ids."""
         resp = await self._request(
-            "POST", "/gyre/kv/export", _dumps({"input_ids": list(input_ids)})
+            "POST", "/gyre/kv/export", _dumps({"input_ids": np.asarray(input_ids, dtype=np.int64)})
         )
         return resp.body
 

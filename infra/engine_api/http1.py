@@ -7,9 +7,8 @@ small JSON bodies (plus a binary KV blob), ``Content-Length`` or ``chunked`` ans
 chunked), keep-alive. This does exactly that on an `asyncio.Protocol`, at a small fraction of
 the cost.
 
-Errors are typed so that the caller can keep its retry policy: `ConnectFailed` (nothing was
-sent: always safe to retry), `Disconnected` (the server closed or reset the connection before
-a complete answer: the request may have run), `ReadTimeout`, `ProtocolViolation`.
+Errors are those of `infra.engine_api.transport` (shared with the aiohttp transport), plus
+`ProtocolViolation`.
 """
 
 from __future__ import annotations
@@ -20,37 +19,11 @@ import socket
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-
-class HttpError(Exception):
-    """Base of the transport errors below."""
-
-
-class ConnectFailed(HttpError):
-    """The connection could not be opened (refused, unreachable, connect timeout)."""
-
-
-class Disconnected(HttpError):
-    """The connection closed or broke before the answer was complete."""
-
-
-class ReadTimeout(HttpError):
-    """An awaited part of the answer (head, chunk, body) took longer than the read timeout."""
+from infra.engine_api.transport import ConnectFailed, Disconnected, HttpError, ReadTimeout, Response
 
 
 class ProtocolViolation(HttpError):
     """The server's answer is not HTTP/1.1 this client understands."""
-
-
-class Response:
-    """A complete answer: status, lower-cased headers, body bytes."""
-
-    __slots__ = ("body", "headers", "reason", "status")
-
-    def __init__(self, status: int, reason: str, headers: dict[str, str], body: bytes):
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        self.body = body
 
 
 class _Conn(asyncio.Protocol):

@@ -27,8 +27,11 @@ import uuid
 from typing import Any
 
 import numpy as np
+import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, digest
+from infra.gateway.wire import ChatMessage, validation_error
 
 __all__ = [
     "CHUNK",
@@ -43,17 +46,12 @@ __all__ = [
     "normalize_messages",
     "parse_output",
     "reply_key",
+    "template_messages",
 ]
 
-try:
-    import orjson
 
-    def _canon(obj: Any) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
-except ImportError:  # pragma: no cover
-
-    def _canon(obj: Any) -> bytes:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+def _canon(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
 
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -87,8 +85,11 @@ class ChatTokenizer:
         self.eos_id = self.hf.eos_token_id
         self.im_end = self.hf.eos_token or "<|im_end|>"
         self.im_end_id = self.hf.convert_tokens_to_ids(self.im_end)
+        self._im_end_bytes = self.im_end.encode()
         self._special_ids = set(self.hf.all_special_ids)
         self._token_str: dict[int, str] = {}
+        self._heads: dict[bytes, str] = {}  # rendered system turn (+ tools) of probes
+        self.fast_suffix = False
         self.message_local = self._check_message_local()
 
     def _check_message_local(self) -> bool:
@@ -107,6 +108,7 @@ class ChatTokenizer:
              {"role": "tool", "content": "R"}, {"role": "assistant", "content": "A2"},
              {"role": "user", "content": "U3"}],
         ]  # fmt: skip
+        fast = True
         try:
             for msgs in convs:
                 for tl in (None, tools):
@@ -116,8 +118,10 @@ class ChatTokenizer:
                         full = self._suffix(msgs, k, tl, probe=False)
                         if full is None or full != self._suffix(msgs, k, tl, probe=True):
                             return False
+                        fast = fast and self._suffix_one_render(msgs, k, tl) == full[0]
         except Exception:
             return False
+        self.fast_suffix = fast
         return True
 
     def _suffix(self, messages: list[dict], k: int, tools, *, probe: bool) -> tuple | None:
@@ -134,9 +138,28 @@ class ChatTokenizer:
             return None
         return t_new[cut:], len(t_pre) - cut
 
+    def _suffix_one_render(self, messages: list[dict], k: int, tools) -> str | None:
+        """`_suffix` of the probe conversation with one render instead of two: the rendered
+        head (system turn and tools) is cached, and the reply's end marker is the first one
+        after it (the caller checks the reply holds no marker text of its own)."""
+        head = [messages[0]] if k > 0 and messages[0].get("role") == "system" else []
+        key = _canon([head, tools or []])
+        t_head = self._heads.get(key)
+        if t_head is None:
+            if len(self._heads) >= 256:
+                self._heads.clear()
+            t_head = self._heads[key] = self.render(head, tools, False)
+        t_new = self.render([*head, *messages[k:]], tools, True)
+        cut = t_new.find(self.im_end, len(t_head))
+        if cut < 0 or not t_new.startswith(t_head):
+            return None
+        return t_new[cut:]
+
     def suffix_after_reply(self, messages: list[dict], k: int, tools) -> str | None:
         """Templated text that follows the assistant reply ``messages[k]``, starting at the
         reply's closing ``<|im_end|>`` (None if the template is not prefix-stable here)."""
+        if self.fast_suffix and self._im_end_bytes not in _canon(messages[k]):
+            return self._suffix_one_render(messages, k, tools)
         got = self._suffix(messages, k, tools, probe=self.message_local)
         return None if got is None else got[0]
 
@@ -175,20 +198,26 @@ class ChatTokenizer:
 # -- message normalisation -------------------------------------------------------------------
 
 
-def _norm_content(content: Any) -> Any:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, dict):
-                out.append({k: v for k, v in part.items() if v is not None})
-            else:
-                raise ChatInputError("message content parts must be objects")
-        return out
-    raise ChatInputError("message content must be a string, a list of parts or null")
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Validated messages as the chat template sees them: fields that are null dropped, null
+    content as "", content parts without their null fields."""
+    out = []
+    for m in messages:
+        c = m.content
+        if c is None:
+            c = ""
+        elif isinstance(c, list):
+            c = [{k: v for k, v in part.items() if v is not None} for part in c]
+        msg: dict[str, Any] = {"role": m.role, "content": c}
+        if m.tool_calls:
+            msg["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in m.tool_calls]
+        if m.__pydantic_extra__:
+            msg.update((k, v) for k, v in m.__pydantic_extra__.items() if v is not None)
+        out.append(msg)
+    return out
 
 
 def _norm_args(args: Any) -> Any:
@@ -217,21 +246,13 @@ def _norm_tool_calls(tool_calls: Any) -> list[dict]:
 
 
 def normalize_messages(messages: Any) -> list[dict]:
-    """Validate OpenAI chat messages; return dicts the template renders (None fields dropped)."""
+    """Validate OpenAI chat messages (`ChatMessage`); return dicts the template renders."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ChatInputError(f"messages[{i}] must be an object with a string 'role'")
-        msg: dict[str, Any] = {k: v for k, v in m.items() if v is not None}
-        msg["content"] = _norm_content(m.get("content"))
-        if m.get("tool_calls"):
-            if not isinstance(m["tool_calls"], list):
-                raise ChatInputError(f"messages[{i}].tool_calls must be a list")
-            _norm_tool_calls(m["tool_calls"])  # validates
-        out.append(msg)
-    return out
+    try:
+        return template_messages(_MESSAGES.validate_python(messages))
+    except ValidationError as exc:
+        raise ChatInputError(validation_error(exc, "messages").message) from None
 
 
 def message_key(msg: dict) -> bytes:

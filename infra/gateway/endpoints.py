@@ -1,412 +1,300 @@
-"""HTTP endpoints of the gateway (Starlette): OpenAI-compatible, SGLang-native, gyre admin.
+"""HTTP endpoints of the gateway: thin adapters over the call pipeline, as a raw ASGI app.
 
-Every handler authenticates the session first (``Authorization: Bearer <key>``), validates the
-whole request before any engine work (so a bad request answers 4xx and stores nothing), runs
-the call through `Gateway.generate`, appends the TITO record, and only then answers (for a
-stream: the final chunk goes out after the record is durable).
+Each handler authenticates the session (``Authorization: Bearer <key>``), parses and validates
+the whole body (`infra.gateway.wire`: a bad request answers 4xx in OpenAI's error shape and
+stores nothing), opens the call and runs it through `CallPipeline` (which records the TITO call
+before it returns), then answers: a JSON body, or an SSE stream through the one pump
+(`infra.gateway.stream`).
+
+Raw ASGI rather than a framework's router: the hot endpoints are a dict lookup away from
+uvicorn, with no per-call request/response objects beyond what the answer needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
-
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from infra.gateway.chat import (
     ChatInputError,
     build_chat_input,
     build_token_input,
     normalize_messages,
-    parse_output,
-    reply_key,
+    template_messages,
 )
-from infra.gateway.wire import (
-    SSE_DONE,
-    ApiError,
-    JSONDecodeError,
-    bad,
+from infra.gateway.replies import (
     chat_body,
-    chat_chunk,
     chat_logprobs,
-    check_token_ids,
     completion_body,
     completion_logprobs,
-    dumps,
-    loads,
-    parse_native_params,
-    parse_openai_params,
-    sse,
     usage,
-    usage_chunk,
+)
+from infra.gateway.responses import (
+    ResponsesRequest,
+    ResponsesStream,
+    conversation,
+    remember,
+    response_body,
+)
+from infra.gateway.stream import (
+    ChatStream,
+    CompletionStream,
+    NativeStream,
+    final_native,
+    pump,
+)
+from infra.gateway.wire import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    JsonObject,
+    ScoreItem,
+    ScoresRequest,
+    SessionRequest,
+    bad,
+    check_token_ids,
+    dumps,
+    parse_body,
+    validate,
 )
 
 if TYPE_CHECKING:
-    from infra.gateway.gateway import Gateway, GenResult
+    from infra.gateway.core import GatewayCore
+    from infra.gateway.pipeline import GenResult
     from infra.gateway.sessions import Session
 
-_JSON = "application/json"
+log = logging.getLogger(__name__)
+
+_JSON = [(b"content-type", b"application/json")]
+Send = Callable[[dict], Awaitable[None]]
 
 
-def _json(obj: Any, status: int = 200, res: GenResult | None = None) -> Response:
-    headers = None
+class Request:
+    """What a handler reads of an ASGI request: headers by name, the body with a size cap."""
+
+    __slots__ = ("_headers", "receive", "scope")
+
+    def __init__(self, scope: dict, receive):
+        self.scope = scope
+        self.receive = receive
+        self._headers: dict[bytes, bytes] | None = None
+
+    def header(self, name: bytes) -> str | None:
+        if self._headers is None:
+            self._headers = dict(self.scope["headers"])
+        v = self._headers.get(name)
+        return v.decode("latin-1") if v is not None else None
+
+    async def body(self, limit: int) -> bytes:
+        n = self.header(b"content-length")
+        if n is not None and n.isdigit() and int(n) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+        msg = await self.receive()
+        body = msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+        parts, size = [body], len(body)
+        while msg.get("more_body"):
+            msg = await self.receive()
+            if msg["type"] == "http.disconnect":
+                raise ApiError(400, "the client went away mid-body")
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+            parts.append(part)
+        return b"".join(parts)
+
+    def bearer(self) -> str | None:
+        auth = self.header(b"authorization") or ""
+        if auth[:7].lower() == "bearer ":
+            return auth[7:].strip() or None
+        return self.header(b"x-api-key") or None
+
+
+async def send_json(send: Send, obj: Any, status: int = 200, res: GenResult | None = None) -> None:
+    body = dumps(obj)
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
     if res is not None:  # engine round trip as the gateway saw it (bench/gateway.py)
-        headers = {"x-gyre-engine-ms": f"{1e3 * (res.t_end - res.t_start):.3f}"}
-    return Response(dumps(obj), status_code=status, media_type=_JSON, headers=headers)
+        headers.append((b"x-gyre-engine-ms", f"{1e3 * (res.t_end - res.t_start):.3f}".encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization") or ""
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or None
+class GatewayApp:
+    """The gateway's ASGI app: routes by path, answers errors in OpenAI's shape."""
 
+    def __init__(self, gw: GatewayCore):
+        self.gw = gw
+        self.routes: dict[str, tuple[str, Callable[[Request, Send], Awaitable[None]]]] = {
+            "/v1/chat/completions": ("POST", self.chat),
+            "/v1/completions": ("POST", self.completions),
+            "/generate": ("POST", self.generate),
+            "/v1/responses": ("POST", self.responses),
+            "/v1/models": ("GET", self.models),
+            "/gyre/scores": ("POST", self.scores),
+            "/gyre/sessions": ("POST", self.admin_sessions),
+            "/gyre/stats": ("GET", self.stats),
+            "/health": ("GET", self.health),
+        }
 
-def build_app(gw: Gateway) -> Starlette:
-    tok = gw.tok
+    async def __call__(self, scope: dict, receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        route = self.routes.get(scope["path"])
+        try:
+            if route is None or route[0] != scope["method"]:
+                status = 404 if route is None else 405
+                raise ApiError(status, f"{scope['method']} {scope['path']}: not found")
+            await route[1](Request(scope, receive), send)
+        except ApiError as exc:
+            self.gw.counters["errors"] += 1
+            await send_json(send, exc.body(), exc.status)
+        except Exception as exc:  # a bug: answer in the error shape, keep serving
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            self.gw.counters["errors"] += 1
+            err = ApiError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+            await send_json(send, err.body(), 500)
 
-    def session_of(request: Request) -> Session:
-        key = _bearer(request)
+    # -- auth and shared checks ----------------------------------------------------------
+    def session_of(self, req: Request) -> Session:
+        key = req.bearer()
         if key is None:
             raise ApiError(
                 401,
                 "missing API key: send 'Authorization: Bearer <session key>'",
                 code="invalid_api_key",
             )
-        s = gw.sessions.by_key(key)
+        s = self.gw.sessions.by_key(key)
         if s is None:
             raise ApiError(401, "invalid API key (no such session)", code="invalid_api_key")
         return s
 
-    def require_admin(request: Request) -> None:
-        if gw.admin_token is None:
+    def require_admin(self, req: Request) -> None:
+        if self.gw.admin_token is None:
             raise ApiError(
                 403,
                 "admin endpoints are disabled (no admin token configured)",
                 type="permission_error",
             )
-        if _bearer(request) != gw.admin_token:
+        if req.bearer() != self.gw.admin_token:
             raise ApiError(401, "admin token required", code="invalid_api_key")
 
-    async def body_of(request: Request) -> dict:
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > gw.max_body_bytes:
-            raise ApiError(
-                413, f"request body over {gw.max_body_bytes} bytes", code="body_too_large"
-            )
-        chunks, size = [], 0
-        async for c in request.stream():
-            size += len(c)
-            if size > gw.max_body_bytes:
-                raise ApiError(
-                    413, f"request body over {gw.max_body_bytes} bytes", code="body_too_large"
-                )
-            chunks.append(c)
-        try:
-            body = loads(b"".join(chunks))
-        except (JSONDecodeError, ValueError) as exc:
-            raise bad(f"malformed JSON body: {exc}", code="invalid_json") from exc
-        if not isinstance(body, dict):
-            raise bad("the JSON body must be an object", code="invalid_json")
-        return body
-
-    def check_model(body: dict) -> str:
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad("'model' is required", "model")
-        if model not in gw.model_names:
+    def check_model(self, model: str) -> str:
+        if model not in self.gw.model_names:
             raise ApiError(
                 404,
-                f"The model '{model}' does not exist (served: {gw.model_name})",
+                f"The model '{model}' does not exist (served: {self.gw.model_name})",
                 param="model",
                 code="model_not_found",
             )
         return model
 
-    def token_strs(ids: list[int]) -> list[str]:
-        return [tok.token_str(t) for t in ids]
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [self.gw.tok.token_str(t) for t in ids]
 
-    # -- chat ----------------------------------------------------------------------------
-    async def chat_completions(request: Request) -> Response:
-        s = session_of(request)
-        body = await body_of(request)
-        model = check_model(body)
-        gp = parse_openai_params(body, chat=True)
-        tools = body.get("tools") or None
-        if tools is not None and not (
-            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-        ):
-            raise bad("'tools' must be a list of objects", "tools")
-        parse_tools = bool(tools) and body.get("tool_choice") != "none"
-        try:
-            messages = normalize_messages(body.get("messages"))
-            inp = await gw.prepare(s, lambda calls: build_chat_input(tok, calls, messages, tools))
-        except ChatInputError as exc:
-            raise bad(str(exc), "messages") from exc
-        max_new = gw.budget(len(inp.input_ids), gp)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        seq = s.next_seq()
-        ids = inp.input_ids.tolist()
+    # -- calls ---------------------------------------------------------------------------
+    async def chat(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        body = parse_body(ChatRequest, await req.body(gw.max_body_bytes))
+        model = self.check_model(body.model)
+        gp = body.gen_params()
+        messages, tools, tok = template_messages(body.messages), body.tools, gw.tok
+        call = await gw.pipeline.open(
+            s,
+            "chat",
+            lambda calls: build_chat_input(tok, calls, messages, tools),
+            gp=gp,
+            param="messages",
+            parse_tools=body.parse_tools,
+        )
+        if gp.stream:
+            return await pump(gw, call, ChatStream(tok, call, model), send, req.receive)
+        a = await gw.pipeline.run(call)
+        r = a.res
+        lp = chat_logprobs(self.token_strs(r.output_ids), r.logprobs) if gp.logprobs else None
+        use = usage(call.n_in, len(r.output_ids), r.cached_tokens)
+        answer = chat_body(
+            call.rid, model, a.content, a.tool_calls, a.finish_reason, use, lp, call.created
+        )
+        await send_json(send, answer, res=r)
 
-        def finish(res: GenResult) -> tuple[str | None, list[dict], str]:
-            text, _ = gw.trim_stop(res, gp.stop)
-            content, calls = parse_output(text) if parse_tools else (text, [])
-            reason = (
-                "tool_calls" if calls else ("length" if res.finish_type == "length" else "stop")
-            )
-            return content, calls, reason
-
-        if not gp.stream:
-            res = await gw.generate(s, rid, ids, gp, max_new)
-            try:
-                content, calls, reason = finish(res)
-                await gw.record(s, rid, seq, inp, res, "chat", reply_key(content, calls))
-            finally:
-                gw.settle(res)
-            lp = chat_logprobs(token_strs(res.output_ids), res.logprobs) if gp.logprobs else None
-            use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-            return _json(chat_body(rid, model, content, calls, reason, use, lp), res=res)
-
-        created = int(time.time())
-        hold = max((len(x) for x in gp.stop), default=1) - 1
-
-        def visible(text: str) -> str:
-            if parse_tools:
-                i = text.find("<tool_call>")
-                if i >= 0:
-                    text = text[:i]
-                text = text.rstrip()
-            if gp.stop:
-                i = _first_stop(text, gp.stop)
-                text = text[:i] if i is not None else text[: max(0, len(text) - hold)]
-            return text.rstrip("\ufffd")
-
-        async def events():
-            q: asyncio.Queue = asyncio.Queue()
-            sent = {"text": "", "lp": 0}
-
-            async def on_tokens(out, lps):
-                q.put_nowait((out, lps))
-
-            task = asyncio.create_task(gw.generate(s, rid, ids, gp, max_new, on_tokens))
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            try:
-                while True:
-                    get = asyncio.ensure_future(q.get())
-                    done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if get not in done:
-                        get.cancel()
-                        while not q.empty():  # drain what came with the end
-                            q.get_nowait()
-                        break
-                    out, lps = get.result()
-                    text = visible(tok.decode(out))
-                    delta = text[len(sent["text"]) :] if text.startswith(sent["text"]) else ""
-                    lp = None
-                    if gp.logprobs and len(out) > sent["lp"]:
-                        lp = chat_logprobs(token_strs(out[sent["lp"] :]), lps[sent["lp"] :])
-                        sent["lp"] = len(out)
-                    if delta or lp:
-                        sent["text"] += delta
-                        yield sse(chat_chunk(rid, model, created, {"content": delta}, None, lp))
-                res = task.result()
-                content, calls, reason = finish(res)
-                rest = (
-                    (content or "")[len(sent["text"]) :]
-                    if (content or "").startswith(sent["text"])
-                    else ""
-                )
-                lp = None
-                if gp.logprobs and len(res.output_ids) > sent["lp"]:
-                    lp = chat_logprobs(
-                        token_strs(res.output_ids[sent["lp"] :]), res.logprobs[sent["lp"] :]
-                    )
-                if rest or lp:
-                    yield sse(chat_chunk(rid, model, created, {"content": rest}, None, lp))
-                if calls:
-                    tc = [{"index": i, **c} for i, c in enumerate(calls)]
-                    yield sse(chat_chunk(rid, model, created, {"tool_calls": tc}))
-                await gw.record(s, rid, seq, inp, res, "chat", reply_key(content, calls))
-                yield sse(chat_chunk(rid, model, created, {}, reason))
-                if gp.include_usage:
-                    use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-                    yield sse(usage_chunk(rid, model, created, use))
-                yield SSE_DONE
-            except ApiError as exc:
-                gw.counters["errors"] += 1
-                yield sse(exc.body())
-                yield SSE_DONE
-            finally:
-                _end_stream(gw, task)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # -- text completions ----------------------------------------------------------------
-    async def completions(request: Request) -> Response:
-        s = session_of(request)
-        body = await body_of(request)
-        model = check_model(body)
-        gp = parse_openai_params(body, chat=False)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
+    async def completions(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        body = parse_body(CompletionRequest, await req.body(gw.max_body_bytes))
+        model = self.check_model(body.model)
+        gp = body.gen_params()
+        prompt = body.one_prompt()
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad("'prompt' must not be empty", "prompt")
-            ids = tok.encode(prompt)
+            ids = check_token_ids(gw.tok.encode(prompt), gw.tok.vocab_size, "prompt")
         else:
-            ids = check_token_ids(prompt, tok.vocab_size, "prompt")
-        inp = await gw.prepare(s, build_token_input, ids)
-        max_new = gw.budget(len(ids), gp, "prompt")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        seq = s.next_seq()
-        ids = inp.input_ids.tolist()
-        if not gp.stream:
-            res = await gw.generate(s, rid, ids, gp, max_new)
-            try:
-                text, _ = gw.trim_stop(res, gp.stop)
-                await gw.record(s, rid, seq, inp, res, "completions")
-            finally:
-                gw.settle(res)
-            lp = (
-                completion_logprobs(token_strs(res.output_ids), res.logprobs)
-                if gp.logprobs
-                else None
-            )
-            use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-            return _json(completion_body(rid, model, text, _reason(res), use, lp), res=res)
+            ids = check_token_ids(prompt, gw.tok.vocab_size, "prompt")
+        call = await gw.pipeline.open(
+            s, "completions", lambda calls: build_token_input(calls, ids), gp=gp, param="prompt"
+        )
+        if gp.stream:
+            return await pump(gw, call, CompletionStream(gw.tok, call, model), send, req.receive)
+        a = await gw.pipeline.run(call)
+        r = a.res
+        lp = completion_logprobs(self.token_strs(r.output_ids), r.logprobs) if gp.logprobs else None
+        use = usage(call.n_in, len(r.output_ids), r.cached_tokens)
+        answer = completion_body(call.rid, model, a.text, a.finish_reason, use, lp, call.created)
+        await send_json(send, answer, res=r)
 
-        created = int(time.time())
+    async def generate(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        body = parse_body(GenerateRequest, await req.body(gw.max_body_bytes))
+        gp = body.gen_params()
+        raw = body.input_ids
+        if raw is None and body.text:
+            raw = gw.tok.encode(body.text)
+        ids = check_token_ids(raw, gw.tok.vocab_size, "input_ids")
+        call = await gw.pipeline.open(
+            s, "generate", lambda calls: build_token_input(calls, ids), gp=gp, param="input_ids"
+        )
+        view = NativeStream(gw.tok, call)
+        if gp.stream:
+            return await pump(gw, call, view, send, req.receive)
+        a = await gw.pipeline.run(call)
+        await send_json(send, final_native(view, a), res=a.res)
 
-        async def events():
-            sent = {"text": ""}
-
-            async def on_tokens(out, lps):
-                text = tok.decode(out).rstrip("\ufffd")
-                if gp.stop:
-                    i = _first_stop(text, gp.stop)
-                    hold = max(len(x) for x in gp.stop) - 1
-                    text = text[:i] if i is not None else text[: max(0, len(text) - hold)]
-                if text.startswith(sent["text"]) and len(text) > len(sent["text"]):
-                    q.put_nowait(text[len(sent["text"]) :])
-                    sent["text"] = text
-
-            q: asyncio.Queue = asyncio.Queue()
-            task = asyncio.create_task(gw.generate(s, rid, ids, gp, max_new, on_tokens))
-            try:
-                while True:
-                    get = asyncio.ensure_future(q.get())
-                    done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if get in done:
-                        yield sse(
-                            completion_body(rid, model, get.result(), None, None, None, created)
-                        )
-                        continue
-                    get.cancel()
-                    break
-                while not q.empty():
-                    yield sse(
-                        completion_body(rid, model, q.get_nowait(), None, None, None, created)
-                    )
-                res = task.result()
-                text, _ = gw.trim_stop(res, gp.stop)
-                rest = text[len(sent["text"]) :] if text.startswith(sent["text"]) else ""
-                await gw.record(s, rid, seq, inp, res, "completions")
-                yield sse(completion_body(rid, model, rest, _reason(res), None, None, created))
-                if gp.include_usage:
-                    use = usage(len(ids), len(res.output_ids), res.cached_tokens)
-                    yield sse(usage_chunk(rid, model, created, use, chat=False))
-                yield SSE_DONE
-            except ApiError as exc:
-                gw.counters["errors"] += 1
-                yield sse(exc.body())
-                yield SSE_DONE
-            finally:
-                _end_stream(gw, task)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # -- SGLang-native generate ----------------------------------------------------------
-    async def generate(request: Request) -> Response:
-        s = session_of(request)
-        body = await body_of(request)
-        gp = parse_native_params(body)
-        ids = body.get("input_ids")
-        if ids is None and isinstance(body.get("text"), str) and body["text"]:
-            ids = tok.encode(body["text"])
-        ids = check_token_ids(ids, tok.vocab_size, "input_ids")
-        inp = await gw.prepare(s, build_token_input, ids)
-        max_new = gw.budget(len(ids), gp, "input_ids")
-        rid = f"gen-{uuid.uuid4().hex}"
-        seq = s.next_seq()
-        ids = inp.input_ids.tolist()
-
-        def native(res: GenResult, text: str, finished: bool) -> dict:
-            meta = {
-                "id": rid,
-                "finish_reason": res.finish if finished else None,
-                "prompt_tokens": len(ids),
-                "completion_tokens": len(res.output_ids),
-                "cached_tokens": res.cached_tokens,
-                "weight_version": str(res.weight_version),
-                "cell_id": res.cell_id,
-            }
-            if gp.logprobs:
-                meta["output_token_logprobs"] = [
-                    [lp, t, None] for lp, t in zip(res.logprobs, res.output_ids, strict=True)
-                ]
-            return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
-
-        if not gp.stream:
-            res = await gw.generate(s, rid, ids, gp, max_new)
-            try:
-                text, _ = gw.trim_stop(res, gp.stop)
-                await gw.record(s, rid, seq, inp, res, "generate")
-            finally:
-                gw.settle(res)
-            return _json(native(res, text, True), res=res)
-
-        async def events():
-            from infra.gateway.gateway import GenResult
-
-            q: asyncio.Queue = asyncio.Queue()
-
-            async def on_tokens(out, lps):
-                q.put_nowait((out, lps))
-
-            task = asyncio.create_task(gw.generate(s, rid, ids, gp, max_new, on_tokens))
-            try:
-                while True:
-                    get = asyncio.ensure_future(q.get())
-                    done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if get not in done:
-                        get.cancel()
-                        break
-                    out, lps = get.result()
-                    part = GenResult(out, lps, {}, -1, 0, "", 0.0, 0.0)
-                    yield sse(native(part, tok.decode(out), False))
-                res = task.result()
-                text, _ = gw.trim_stop(res, gp.stop)
-                await gw.record(s, rid, seq, inp, res, "generate")
-                yield sse(native(res, text, True))
-                yield SSE_DONE
-            except ApiError as exc:
-                gw.counters["errors"] += 1
-                yield sse(exc.body())
-                yield SSE_DONE
-            finally:
-                _end_stream(gw, task)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def responses(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        body = parse_body(ResponsesRequest, await req.body(gw.max_body_bytes))
+        self.check_model(body.model)
+        gp = body.gen_params()
+        tools, tok = body.chat_tools, gw.tok
+        messages, own = conversation(s, body)
+        try:
+            messages = normalize_messages(messages)
+        except ChatInputError as exc:
+            raise bad(str(exc), "input") from exc
+        call = await gw.pipeline.open(
+            s,
+            "responses",
+            lambda calls: build_chat_input(tok, calls, messages, tools),
+            gp=gp,
+            param="input",
+            parse_tools=body.parse_tools,
+        )
+        if gp.stream:
+            view = ResponsesStream(tok, call, body, lambda a: remember(s, call, body, own, a))
+            return await pump(gw, call, view, send, req.receive)
+        a = await gw.pipeline.run(call)
+        remember(s, call, body, own, a)
+        await send_json(send, response_body(call, body, a), res=a.res)
 
     # -- models, scores, admin, stats ----------------------------------------------------
-    async def models(request: Request) -> Response:
-        session_of(request)
+    async def models(self, req: Request, send: Send) -> None:
+        self.session_of(req)
+        gw = self.gw
         data = [
             {
                 "id": gw.model_name,
@@ -416,111 +304,53 @@ def build_app(gw: Gateway) -> Starlette:
                 "max_model_len": gw.max_context(),
             }
         ]
-        return _json({"object": "list", "data": data})
+        await send_json(send, {"object": "list", "data": data})
 
-    async def scores(request: Request) -> Response:
-        s = session_of(request)
-        body = await body_of(request)
-        items = body.get("scores") if isinstance(body.get("scores"), list) else [body]
-        rows = [score_row(s, it) for it in items]
+    async def scores(self, req: Request, send: Send) -> None:
+        gw = self.gw
+        s = self.session_of(req)
+        data = parse_body(JsonObject, await req.body(gw.max_body_bytes)).root
+        items = (
+            validate(ScoresRequest, data).scores
+            if "scores" in data
+            else [validate(ScoreItem, data)]
+        )
+        rows = [self.score_row(s, it) for it in items]
         await asyncio.to_thread(gw.store.append, "scores", rows)
-        return _json({"ok": True, "session_id": s.session_id, "n": len(rows)})
+        await send_json(send, {"ok": True, "session_id": s.session_id, "n": len(rows)})
 
-    def score_row(s: Session, it: Any) -> dict:
-        if not isinstance(it, dict):
-            raise bad("each score must be an object")
-        sub = it.get("subtask_id")
-        if not isinstance(sub, str) or not sub:
-            raise bad("'subtask_id' (a non-empty string) is required", "subtask_id")
-        score = it.get("score")
-        if isinstance(score, bool) or not isinstance(score, int | float) or not 0.0 <= score <= 1.0:
-            raise bad("'score' must be a number in [0, 1]", "score")
-        weight = it.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise bad("'weight' must be a number >= 0", "weight")
-        at = it.get("at_request_id")
-        if at is not None and (not isinstance(at, str) or at not in gw.session_calls(s).calls):
+    def score_row(self, s: Session, it: ScoreItem) -> dict:
+        gw = self.gw
+        at = it.at_request_id
+        if at is not None and at not in gw.session_calls(s).calls:
             raise bad("'at_request_id' is not a call of this session", "at_request_id")
-        for k in ("source", "status", "reason"):
-            if it.get(k) is not None and not isinstance(it[k], str):
-                raise bad(f"'{k}' must be a string", k)
         return {
             "run_id": gw.run_id,
             "session_id": s.session_id,
-            "subtask_id": sub,
-            "score": float(score),
-            "weight": float(weight),
+            "subtask_id": it.subtask_id,
+            "score": float(it.score),
+            "weight": float(it.weight),
             "at_request_id": at if at is not None else s.last_request_id,
-            "source": it.get("source") or "harness",
-            "status": it.get("status") or "finished",
-            "reason": it.get("reason") or "",
+            "source": it.source or "harness",
+            "status": it.status or "finished",
+            "reason": it.reason or "",
         }
 
-    async def admin_sessions(request: Request) -> Response:
-        require_admin(request)
-        body = await body_of(request)
+    async def admin_sessions(self, req: Request, send: Send) -> None:
+        self.require_admin(req)
+        raw = await req.body(self.gw.max_body_bytes)
+        body = parse_body(SessionRequest, raw or b"{}")
         try:
-            sid, key = gw.new_session(
-                body.get("session_id"),
-                group_id=str(body.get("group_id") or ""),
-                meta=body.get("meta") if isinstance(body.get("meta"), dict) else None,
-            )
+            sid, key = self.gw.new_session(body.session_id, group_id=body.group_id, meta=body.meta)
         except ValueError as exc:
-            raise ApiError(
-                409 if "exists" in str(exc) else 400, str(exc), param="session_id"
-            ) from exc
-        return _json({"session_id": sid, "api_key": key})
+            status = 409 if "exists" in str(exc) else 400
+            raise ApiError(status, str(exc), param="session_id") from exc
+        await send_json(send, {"session_id": sid, "api_key": key})
 
-    async def stats(request: Request) -> Response:
-        if gw.admin_token is not None:
-            require_admin(request)
-        return _json(gw.stats())
+    async def stats(self, req: Request, send: Send) -> None:
+        if self.gw.admin_token is not None:
+            self.require_admin(req)
+        await send_json(send, self.gw.stats())
 
-    async def health(request: Request) -> Response:
-        return _json({"ok": True, "engines": len(gw.router.active())})
-
-    async def api_error(request: Request, exc: ApiError) -> Response:
-        gw.counters["errors"] += 1
-        return _json(exc.body(), exc.status)
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        return _json(
-            ApiError(status, f"{request.method} {request.url.path}: not found").body(), status
-        )
-
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/gyre/scores", scores, methods=["POST"]),
-        Route("/gyre/sessions", admin_sessions, methods=["POST"]),
-        Route("/gyre/stats", stats, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ]
-    return Starlette(
-        routes=routes, exception_handlers={ApiError: api_error, 404: not_found, 405: not_found}
-    )
-
-
-def _end_stream(gw: Gateway, task: asyncio.Task) -> None:
-    """A stream ended (answered, failed, or the harness hung up): stop its generation if it
-    still runs; if it finished, settle it (a harness gone before the record stops counting)."""
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled() and task.exception() is None:
-        gw.settle(task.result())
-
-
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    best = None
-    for x in stops:
-        i = text.find(x)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _reason(res: GenResult) -> str:
-    return "length" if res.finish_type == "length" else "stop"
+    async def health(self, req: Request, send: Send) -> None:
+        await send_json(send, {"ok": True, "engines": len(self.gw.router.active())})

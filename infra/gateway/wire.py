@@ -1,35 +1,35 @@
-"""OpenAI / SGLang wire shapes for the gateway: request validation and response bodies.
+"""Request wire formats of the gateway: pydantic models of each JSON body, and OpenAI's errors.
 
-Pure helpers (no I/O): each ``parse_*`` turns a decoded JSON body into a plain request
-description or raises ``ApiError`` (rendered as OpenAI's error shape
-``{"error": {"message", "type", "param", "code"}}``); each ``*_body`` / ``*_chunk`` builds a
-response dict. Unknown request fields are ignored, as OpenAI-compatible servers do.
+Each body is parsed and validated in one pass (``parse_body``: pydantic's JSON parser, strict
+types where OpenAI and SGLang are strict: ``"stream": "no"`` is not a boolean, ``1.0`` is not
+an integer, ``top_p`` must be in (0, 1] as SGLang requires). A bad body raises `ApiError`,
+rendered as OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` with
+``param`` naming the field (``messages[0].role``, ``sampling_params.top_p``). Unknown fields
+are ignored, as OpenAI-compatible servers do. Validation happens before any engine work, so a
+rejected call stores nothing and takes no ``seq_no``.
+
+Response bodies are in `infra.gateway.replies`. JSON is orjson throughout (``dumps``).
 """
 
 from __future__ import annotations
 
-import time
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-try:
-    import orjson
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+MAX_STOPS = 16
 
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    loads = orjson.loads
-    JSONDecodeError: type[Exception] = orjson.JSONDecodeError
-except ImportError:  # pragma: no cover
-    import json
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
 
-    loads = json.loads
-    JSONDecodeError = json.JSONDecodeError
+loads = orjson.loads
 
 
 class ApiError(Exception):
@@ -66,6 +66,110 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code)
 
 
+# -- parsing --------------------------------------------------------------------------------
+
+
+class Body(BaseModel):
+    """A request body: strict types, finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+# pydantic names the member of a union that failed ("str", "list[int]"): not a field
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|tuple|none)(\[.*\])?$|^function-")
+
+
+def field_path(loc: tuple) -> str:
+    """pydantic's error location as a field path: ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_TAG.match(part):
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
+    """One 400 naming every bad field (``param``: the first); a union's failed members are
+    one entry ("a valid string or a valid array")."""
+    by_path: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
+    for e in exc.errors(include_url=False):
+        path = field_path((prefix, *e["loc"]) if prefix else e["loc"])
+        by_path.setdefault(path, []).append(e["msg"])
+        v = e.get("input")
+        if path not in got and not (v is None or isinstance(v, dict | list)):
+            got[path] = f" (got {v!r:.40})"
+    parts = []
+    for path, msgs in by_path.items():
+        msg = " or ".join(dict.fromkeys(msgs)) + got.get(path, "")
+        parts.append(f"'{path}': {msg}" if path else msg)
+    return bad("; ".join(parts), next(iter(by_path)) or None)
+
+
+def parse_body(model: type[B], raw: bytes) -> B:
+    """Parse and validate a JSON body in one pass; `ApiError` (400) when it is not one."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        if e["type"] == "json_invalid":
+            raise bad(f"malformed JSON body: {e['msg']}", code="invalid_json") from None
+        if e["loc"] == () and e["type"] in ("model_type", "dict_type"):
+            raise bad("the JSON body must be an object", code="invalid_json") from None
+        raise validation_error(exc) from None
+
+
+def validate(model: type[B], data: Any) -> B:
+    """Validate already-parsed JSON (strict, as `parse_body`)."""
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class JsonObject(RootModel[dict[str, Any]]):
+    """Any JSON object (a body whose shape depends on its keys)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+# -- chat messages ---------------------------------------------------------------------------
+
+
+class _Open(BaseModel):
+    """A nested object: strict where it matters, any other field kept as sent."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class ToolCallFunction(_Open):
+    name: str
+    arguments: Any = None
+
+
+class ToolCallIn(_Open):
+    function: ToolCallFunction
+    id: str | None = None
+    type: str | None = None
+
+
+class ChatMessage(_Open):
+    """One OpenAI chat message as a harness sends it (other fields, e.g. ``name``,
+    ``tool_call_id``, ``reasoning_content``, are kept for the chat template)."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+
 @dataclass
 class GenParams:
     """What the gateway asks of an engine, whatever the endpoint."""
@@ -98,114 +202,165 @@ class GenParams:
         return sp
 
 
-def _num(body: dict, key: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise bad(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
-    return float(v)
-
-
-def _int(body: dict, key: str, lo: int, default: int | None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
-    return int(v)
-
-
-def _stop(v: Any) -> list[str]:
+def _stops(v: str | list[str] | None) -> list[str]:
     if v is None:
         return []
-    if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
-        return [s for s in v if s]
-    raise bad("'stop' must be a string or a list of strings", "stop")
+    return [s for s in ([v] if isinstance(v, str) else v) if s]
 
 
-def parse_openai_params(body: dict, *, chat: bool) -> GenParams:
-    """Sampling and output options shared by chat and text completions."""
-    if _int(body, "n", 1, 1) != 1:
-        raise bad("only n=1 is supported", "n")
-    max_tokens = _int(body, "max_completion_tokens", 1, None) if chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, None)
-    lp = body.get("logprobs")
-    if chat:
-        if lp is not None and not isinstance(lp, bool):
-            raise bad("'logprobs' must be a boolean", "logprobs")
-        want_lp = bool(lp)
-        if _int(body, "top_logprobs", 0, 0):
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class OpenAISampling(Body):
+    """Fields that chat and text completions share."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # an SGLang/vLLM extension
+    seed: Int64 | None = None
+    stop: Stop = None
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def _gen_params(self, max_tokens: int | None, logprobs: bool) -> GenParams:
+        if self.n not in (None, 1):
+            raise bad("only n=1 is supported", "n")
+        return GenParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=_stops(self.stop),
+            logprobs=logprobs,
+            stream=self.stream,
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+        )
+
+
+class ChatRequest(OpenAISampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    def gen_params(self) -> GenParams:
+        if self.top_logprobs:
             raise bad(
                 "top_logprobs > 0 is not supported (the sampled token's logprob is)", "top_logprobs"
             )
-    else:
-        n_lp = _int(body, "logprobs", 0, None)
-        if n_lp:
+        mt = self.max_completion_tokens
+        return self._gen_params(self.max_tokens if mt is None else mt, bool(self.logprobs))
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(OpenAISampling):
+    """``POST /v1/completions`` (one prompt: text or token ids)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+
+    def gen_params(self) -> GenParams:
+        if self.logprobs:
             raise bad("logprobs > 0 (top alternatives) is not supported; use 0", "logprobs")
-        want_lp = n_lp is not None
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("'seed' must be an integer", "seed")
-    so = body.get("stream_options") or {}
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    return GenParams(
-        max_new_tokens=max_tokens,
-        temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_num(body, "top_p", 0.0, 1.0, 1.0),
-        top_k=int(_num(body, "top_k", -1, 1e9, -1)),
-        seed=seed,
-        stop=_stop(body.get("stop")),
-        logprobs=want_lp,
-        stream=stream,
-        include_usage=bool(isinstance(so, dict) and so.get("include_usage")),
-    )
+        return self._gen_params(self.max_tokens, self.logprobs is not None)
+
+    def one_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise bad("batched prompts are not supported: send one prompt per call", "prompt")
+            p = p[0]
+        if not p:
+            raise bad("'prompt' must not be empty", "prompt")
+        return p
 
 
-def parse_native_params(body: dict) -> GenParams:
-    """SGLang ``/generate`` fields (``sampling_params``, ``return_logprob``, ``stream``)."""
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise bad("'sampling_params' must be an object", "sampling_params")
-    ids = sp.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise bad("'stop_token_ids' must be a list of integers", "sampling_params.stop_token_ids")
-    seed = sp.get("sampling_seed", sp.get("seed"))
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("'sampling_seed' must be an integer", "sampling_params.sampling_seed")
-    return GenParams(
-        max_new_tokens=_int(sp, "max_new_tokens", 1, None),
-        temperature=_num(sp, "temperature", 0.0, 100.0, 1.0),
-        top_p=_num(sp, "top_p", 0.0, 1.0, 1.0),
-        top_k=int(_num(sp, "top_k", -1, 1e9, -1)),
-        seed=seed,
-        stop=_stop(sp.get("stop")),
-        stop_token_ids=ids,
-        logprobs=bool(body.get("return_logprob", False)),
-        stream=bool(body.get("stream", False)),
-    )
+class NativeSampling(Body):
+    """SGLang's ``sampling_params`` (the fields the gateway passes on; others are ignored)."""
+
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    sampling_seed: Int64 | None = None
+    seed: Int64 | None = None
 
 
-def check_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
-    """Validate a list of token ids (vectorised: a 1M-token input costs milliseconds)."""
-    if not isinstance(ids, list) or not ids:
+class GenerateRequest(Body):
+    """SGLang-native ``POST /generate`` (``rid`` is ignored: the gateway names each call)."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: NativeSampling | None = None
+    return_logprob: bool = False
+    stream: bool = False
+
+    def gen_params(self) -> GenParams:
+        sp = self.sampling_params or NativeSampling()
+        return GenParams(
+            max_new_tokens=sp.max_new_tokens,
+            temperature=1.0 if sp.temperature is None else sp.temperature,
+            top_p=1.0 if sp.top_p is None else sp.top_p,
+            top_k=-1 if sp.top_k is None else sp.top_k,
+            seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
+            stop=_stops(sp.stop),
+            stop_token_ids=list(sp.stop_token_ids or []),
+            logprobs=self.return_logprob,
+            stream=self.stream,
+        )
+
+
+class ScoreItem(Body):
+    """One sub-task score (``POST /gyre/scores``, alone or as ``{"scores": [...]}``)."""
+
+    subtask_id: str = Field(min_length=1)
+    score: float = Field(ge=0, le=1)
+    weight: float = Field(1.0, ge=0)
+    at_request_id: str | None = None
+    source: str | None = None
+    status: str | None = None
+    reason: str | None = None
+
+
+class ScoresRequest(Body):
+    scores: list[ScoreItem] = Field(min_length=1)
+
+
+class SessionRequest(Body):
+    """``POST /gyre/sessions`` (admin)."""
+
+    session_id: str | None = Field(None, min_length=1, max_length=200)
+    group_id: str = ""
+    meta: dict[str, Any] | None = None
+
+
+def check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> np.ndarray:
+    """Token ids (already integers) within the vocabulary, as int32 (vectorised: a 1M-token
+    input costs milliseconds)."""
+    if not ids:
         raise bad(f"'{param}' must be a non-empty list of token ids", param)
     try:
-        arr = np.asarray(ids)
-    except (ValueError, TypeError):
-        arr = np.asarray([], dtype=object)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size != len(ids):
-        bad_tok = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)), ids[0])
-        raise bad(
-            f"'{param}' holds an invalid token id {bad_tok!r} (vocabulary size {vocab_size})",
-            param,
-            "invalid_token_id",
-        )
+        arr = np.fromiter(ids, np.int64, count=len(ids))
+    except OverflowError:  # beyond int64: certainly not a token id
+        t = next(t for t in ids if not -(2**63) <= t < 2**63)
+        raise bad(f"'{param}' holds an invalid token id {t}", param, "invalid_token_id") from None
     out = (arr < 0) | (arr >= vocab_size)
     if out.any():
         t = int(arr[int(np.argmax(out))])
@@ -214,120 +369,4 @@ def check_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
             param,
             "invalid_token_id",
         )
-    return ids
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-def usage(n_in: int, n_out: int, cached: int) -> dict:
-    return {
-        "prompt_tokens": n_in,
-        "completion_tokens": n_out,
-        "total_tokens": n_in + n_out,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def chat_logprobs(token_strs: list[str], lps: list[float]) -> dict:
-    return {
-        "content": [
-            {"token": s, "logprob": float(lp), "bytes": list(s.encode()), "top_logprobs": []}
-            for s, lp in zip(token_strs, lps, strict=True)
-        ],
-        "refusal": None,
-    }
-
-
-def chat_body(
-    rid: str,
-    model: str,
-    content: str | None,
-    tool_calls: list[dict],
-    finish: str,
-    use: dict,
-    logprobs: dict | None,
-    created: int | None = None,
-) -> dict:
-    msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}],
-        "usage": use,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    delta: dict,
-    finish: str | None = None,
-    logprobs: dict | None = None,
-) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-    }
-
-
-def usage_chunk(rid: str, model: str, created: int, use: dict, *, chat: bool = True) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
-
-
-def completion_logprobs(token_strs: list[str], lps: list[float]) -> dict:
-    offsets, pos = [], 0
-    for s in token_strs:
-        offsets.append(pos)
-        pos += len(s)
-    return {
-        "tokens": token_strs,
-        "token_logprobs": [float(x) for x in lps],
-        "top_logprobs": None,
-        "text_offset": offsets,
-    }
-
-
-def completion_body(
-    rid: str,
-    model: str,
-    text: str,
-    finish: str,
-    use: dict | None,
-    logprobs: dict | None,
-    created: int | None = None,
-    *,
-    chunk: bool = False,
-) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
-    if use is not None:
-        body["usage"] = use
-    return body
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
+    return arr.astype(np.int32)

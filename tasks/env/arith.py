@@ -1,10 +1,13 @@
-"""The bundled environment: a multi-turn arithmetic task with sub-tasks.
+"""The ``arith`` suite: a multi-turn arithmetic task with sub-tasks (the default suite).
 
-A task is a short list of sub-tasks ("What is 17 + 25?"). The agent answers
+A task is a short list of sub-tasks ("What is 7 + 5?"). The agent answers
 each in turn; it may call a ``calculator`` tool first. Each sub-task's score is
 graded so that a tiny random policy still gets a learning signal: 1.0 for the
 exact answer, decaying with the distance of the first number in the reply, and
 0 for a reply without a number. Sub-tasks never reached count 0 with a reason.
+
+``difficulty``: 0 = sums of 1..5; 1 (default) = ``+ - *`` of 1..9; 2 = ``+ -`` of
+10..99; 3 = ``+ - *`` of 10..99. It follows the suite contract (tasks/env/suite.py).
 
 Pure module: no prefect, no distributed, no I/O.
 """
@@ -15,6 +18,8 @@ import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from tasks.env.suite import Outcome, SubtaskScore, SubtaskSpec, Task, Turn
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -51,13 +56,17 @@ class SubtaskResult:
     reason: str = "not reached"
 
 
-def make_task(task_seed: int, n_subtasks: int) -> tuple[str, list[Subtask]]:
-    """A deterministic task: ``n_subtasks`` sums/products of small numbers."""
+_LEVELS = {0: (1, 5, "+"), 1: (1, 9, "+*-"), 2: (10, 99, "+-"), 3: (10, 99, "+*-")}
+
+
+def make_task(task_seed: int, n_subtasks: int, difficulty: int = 1) -> tuple[str, list[Subtask]]:
+    """A deterministic task: ``n_subtasks`` sums/differences/products of small numbers."""
+    lo, hi, ops = _LEVELS[min(max(difficulty, 0), 3)]
     rng = random.Random(task_seed)
     subs = []
     for i in range(n_subtasks):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        op = rng.choice("+*-")
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        op = rng.choice(ops)
         ans = a + b if op == "+" else a * b if op == "*" else a - b
         subs.append(Subtask(f"s{i}", f"What is {a} {op} {b}?", ans))
     return f"arith-{task_seed}", subs
@@ -129,24 +138,48 @@ class ArithEnv:
     task_id: str
     subtasks: list[Subtask]
     results: dict[str, SubtaskResult] = field(default_factory=dict)
+    workdir: str = ""
+    seed: int = 0
 
     @classmethod
-    def create(cls, task_seed: int, n_subtasks: int) -> ArithEnv:
-        task_id, subs = make_task(task_seed, n_subtasks)
-        return cls(task_id, subs, {s.subtask_id: SubtaskResult() for s in subs})
+    def create(cls, task_seed: int, n_subtasks: int, difficulty: int = 1) -> ArithEnv:
+        task_id, subs = make_task(task_seed, n_subtasks, difficulty)
+        return cls(task_id, subs, {s.subtask_id: SubtaskResult() for s in subs}, seed=task_seed)
 
     system_prompt = (
         "You are a careful assistant. Answer each question with a single number. "
         "You may call the calculator tool."
     )
     tools = TOOLS
+    max_tool_rounds = 1
 
-    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+    @property
+    def task(self) -> Task:
+        return Task(
+            self.task_id,
+            self.seed,
+            tuple(SubtaskSpec(s.subtask_id, s.weight, s.question) for s in self.subtasks),
+        )
+
+    @property
+    def turns(self) -> list[Turn]:
+        return [Turn(s.subtask_id, s.question) for s in self.subtasks]
+
+    def call_tool(
+        self, turn_id: str, name: str, arguments: dict[str, Any], request_id: str | None = None
+    ) -> str:
         if name != "calculator":
             return f"error: unknown tool {name!r}"
         return calculator(str(arguments.get("expression", "")))
 
-    def submit(self, subtask_id: str, text: str, at_request_id: str) -> float:
+    def progress(self) -> str:
+        done = sum(1 for r in self.results.values() if r.status == "finished")
+        return f"{done} questions answered."
+
+    def close(self) -> None:
+        pass
+
+    def submit(self, subtask_id: str, text: str, at_request_id: str | None) -> float:
         """Grade an answer; a sub-task keeps its best attempt and where it was earned."""
         sub = next(s for s in self.subtasks if s.subtask_id == subtask_id)
         res = self.results[subtask_id]
@@ -176,3 +209,34 @@ class ArithEnv:
             }
             for s in self.subtasks
         ]
+
+
+class ArithSuite:
+    """The suite: tasks from seeds, one ``ArithEnv`` per session, scores as graded."""
+
+    name = "arith"
+
+    def __init__(self, subtasks: int = 3, difficulty: int = 1):
+        if difficulty not in _LEVELS:
+            raise ValueError(f"difficulty={difficulty}: the arith suite has levels {list(_LEVELS)}")
+        self.subtasks, self.difficulty = subtasks, difficulty
+
+    def task(self, seed: int) -> Task:
+        task_id, subs = make_task(seed, self.subtasks, self.difficulty)
+        return Task(
+            task_id,
+            seed,
+            tuple(SubtaskSpec(s.subtask_id, s.weight, s.question) for s in subs),
+            {"questions": [s.question for s in subs]},
+        )
+
+    def start(self, task: Task, workdir: str) -> ArithEnv:
+        env = ArithEnv.create(task.seed, len(task.subtasks), self.difficulty)
+        env.workdir = workdir
+        return env
+
+    def evaluate(self, env: ArithEnv, outcome: Outcome) -> list[SubtaskScore]:
+        if outcome.status != "finished":
+            env.mark(outcome.status, outcome.reason)
+        env.mark("unfinished", "session ended before this sub-task")
+        return [SubtaskScore(**r) for r in env.score_rows()]

@@ -20,6 +20,15 @@ normalizer``. Pass the number of trainable tokens the same branches would have
 if trained flat (``Sample.n_flat_trainable`` summed over the step) and the tree
 loss equals flat training with a token-mean over the step (as in DAPO /
 Dr. GRPO, https://arxiv.org/abs/2503.14476, https://arxiv.org/abs/2503.20783).
+
+Regularisers, per trained token and counted once per branch through it (``count``):
+
+- KL to a reference policy with the k3 estimator (http://joschu.net/blog/kl-approx.html, as
+  in GRPO, https://arxiv.org/abs/2402.03300 eq. 4): ``k3 = exp(ref - logp) - (ref - logp) - 1``,
+  an unbiased, non-negative estimate of KL(pi || pi_ref) on tokens sampled from pi.
+- entropy bonus: ``-H`` of the policy's (processed) next-token distribution.
+
+``loss_t = pg_t + kl_coef * count_t * k3_t - entropy_coef * count_t * H_t``.
 """
 
 from __future__ import annotations
@@ -154,6 +163,58 @@ def truncated_is_loss(
     )
 
 
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref), shape (T,): ``e^d - d - 1``, ``d = ref - logp``.
+
+    ``ref_logp`` carries no gradient (the reference is frozen). The log-ratio is clamped at
+    ``+-_MAX_LOG_RATIO`` so that a token the reference finds impossible cannot overflow.
+    """
+    d = torch.clamp(ref_logp.detach() - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+def regularised_token_loss(
+    pg: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> torch.Tensor:
+    """``pg + kl_coef * count * kl - entropy_coef * count * entropy``, shape (T,).
+
+    ``count`` (T,) is how many branches train the token (its flat multiplicity).
+    """
+    out = pg
+    if kl is not None and kl_coef:
+        out = out + kl_coef * count * kl
+    if entropy is not None and entropy_coef:
+        out = out - entropy_coef * count * entropy
+    return out
+
+
+def clip_counts(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    weight_pos: torch.Tensor,
+    weight_neg: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[int, int]:
+    """(clipped, weighted): tokens whose ratio is clipped on a side that carries weight, and
+    tokens that carry weight at all. A token with both signs counts as clipped when either
+    side is."""
+    with torch.no_grad():
+        r = _ratio(logp, behaviour_logp)
+        clipped = ((r > 1.0 + eps_high) & (weight_pos > 0)) | (
+            (r < 1.0 - eps_low) & (weight_neg < 0)
+        )
+        active = (weight_pos > 0) | (weight_neg < 0)
+        return int((clipped & active).sum()), int(active.sum())
+
+
 def clip_fraction(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -163,15 +224,13 @@ def clip_fraction(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
 ) -> float:
-    """Fraction of weighted tokens whose ratio is clipped on a side that carries weight."""
-    with torch.no_grad():
-        r = _ratio(logp, behaviour_logp)
-        clipped = ((r > 1.0 + eps_high) & (weight_pos > 0)) | (
-            (r < 1.0 - eps_low) & (weight_neg < 0)
-        )
-        active = (weight_pos > 0) | (weight_neg < 0)
-        n = int(active.sum())
-        return float((clipped & active).sum()) / n if n else 0.0
+    """Fraction of weighted tokens whose ratio is clipped on a side that carries weight.
+
+    Pass the clip range the loss uses: ``(eps, eps)`` for ``grpo``."""
+    n_clip, n = clip_counts(
+        logp, behaviour_logp, weight_pos, weight_neg, eps_low=eps_low, eps_high=eps_high
+    )
+    return n_clip / n if n else 0.0
 
 
 LOSSES = ("ppo_clip", "grpo", "tis")

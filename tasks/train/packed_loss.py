@@ -12,7 +12,13 @@ computed once. FlexAttention would avoid the dense mask but has no backward on
 CPU in torch 2.13.
 
 Log-probabilities are taken only where needed: the hidden state of each
-trainable token's parent goes through ``lm_head`` (T rows, not N).
+trainable token's parent goes through ``lm_head`` (T rows, not N), under the
+rollouts' sampling processing (temperature, top-k, top-p; tasks/train/logprobs.py),
+so the ratio to the engine's reported logprob is 1 at zero staleness.
+
+Each trained token's loss is its policy-gradient term (weights summed over the
+branches through it) plus, per branch through it (``Sample.counts``), the k3 KL to a
+frozen reference policy and minus the entropy bonus (tasks/train/losses.py).
 
 ``tree_loss_and_grads`` / ``flat_loss_and_grads`` are pure functions of a model
 and samples (gradients accumulate in the model, no optimizer step); the
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 
 from tasks.train import losses, tree_attention
+from tasks.train.logprobs import SamplingDist, token_logprobs
 from tasks.train.packing import Packed, ancestor_mask, pack
 from tasks.trajectory.sampler import Sample
 
@@ -41,18 +48,30 @@ class TrainerError(ValueError):
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Which loss and its constants (see tasks/losses.py)."""
+    """Which loss and its constants (see tasks/train/losses.py)."""
 
     loss: str = "ppo_clip"  # ppo_clip | grpo | tis
     eps_low: float = 0.2
     eps_high: float = 0.28
     is_cap: float = 2.0
+    kl_coef: float = 0.0  # k3 KL to the reference policy, per counted token
+    entropy_coef: float = 0.0  # entropy bonus, per counted token
 
     def __post_init__(self) -> None:
+        errors = []
         if self.loss not in losses.LOSSES:
-            raise TrainerError(
-                f"loss={self.loss!r} is unknown; use one of {', '.join(losses.LOSSES)}"
-            )
+            errors.append(f"loss={self.loss!r} is unknown; use one of {', '.join(losses.LOSSES)}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            errors.append(f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}: must be >= 0")
+        if errors:
+            raise TrainerError("; ".join(errors))
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the surrogate: ``grpo`` clips symmetrically at eps_low."""
+        if self.loss == "grpo":
+            return self.eps_low, self.eps_low
+        return self.eps_low, self.eps_high
 
 
 def token_losses(
@@ -63,12 +82,12 @@ def token_losses(
     cfg: LossConfig,
     is_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(T,) per-token loss terms for ``cfg.loss``."""
+    """(T,) per-token policy-gradient terms for ``cfg.loss`` (no KL / entropy)."""
     if cfg.loss == "tis":
         return losses.truncated_is_token_loss(
             logp, behaviour_logp, weight_pos, weight_neg, cap=cfg.is_cap
         )
-    lo, hi = (cfg.eps_low, cfg.eps_low) if cfg.loss == "grpo" else (cfg.eps_low, cfg.eps_high)
+    lo, hi = cfg.clip_range
     return losses.ppo_clip_token_loss(
         logp,
         behaviour_logp,
@@ -111,28 +130,36 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "model", None) or model.get_decoder()
 
 
-def _gather_logp(
-    model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """log p(targets | hidden[rows]); hidden (N, H), rows/targets (T,) -> (T,)."""
+def _token_stats(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    dist: SamplingDist,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log q(targets | hidden[rows]) and H(q); hidden (N, H), rows/targets (T,) -> (T,) each."""
     logits = model.lm_head(hidden[rows])  # (T, V)
-    return torch.log_softmax(
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1
-    ).gather(-1, targets[:, None])[:, 0]
+    return token_logprobs(logits, targets, dist, entropy=entropy)
 
 
-def packed_logprobs(
+def packed_token_stats(
     model: torch.nn.Module,
     packed: Packed,
     sel: np.ndarray,
     device: str | torch.device = "cpu",
     attention: str = "tree",
-) -> torch.Tensor:
-    """Current-policy log-probs of tokens ``sel`` (T,) of a packed micro-batch, shape (T,).
+    dist: SamplingDist = SamplingDist(),
+    *,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Current-policy log-probs (and entropies) of tokens ``sel`` (T,) of a packed micro-batch.
 
     One forward with depth position ids (1, N) and either the chain-wise tree
-    attention (``attention="tree"``, tasks/tree_attention.py) or the dense
-    ancestor mask (1, 1, N, N) through the model's own SDPA (``"dense"``).
+    attention (``attention="tree"``, tasks/train/tree_attention.py) or the dense
+    ancestor mask (1, 1, N, N) through the model's own SDPA (``"dense"``). The
+    log-probs are those of the processed distribution ``dist`` (temperature, top-k,
+    top-p: tasks/train/logprobs.py), as the engine reported them.
     """
     ids = torch.as_tensor(packed.token_ids, device=device)[None]  # (1, N)
     pos = torch.as_tensor(packed.positions, device=device)[None]  # (1, N)
@@ -155,7 +182,20 @@ def packed_logprobs(
         raise TrainerError(f"attention={attention!r}: use 'tree' or 'dense'")
     hidden = out.last_hidden_state[0]  # (N, H)
     rows = torch.as_tensor(packed.parent_idx[sel], device=device)
-    return _gather_logp(model, hidden, rows, ids[0, torch.as_tensor(sel, device=device)])
+    targets = ids[0, torch.as_tensor(sel, device=device)]
+    return _token_stats(model, hidden, rows, targets, dist, entropy)
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    packed: Packed,
+    sel: np.ndarray,
+    device: str | torch.device = "cpu",
+    attention: str = "tree",
+    dist: SamplingDist = SamplingDist(),
+) -> torch.Tensor:
+    """Log-probs (T,) of tokens ``sel`` of a packed micro-batch (``packed_token_stats``)."""
+    return packed_token_stats(model, packed, sel, device, attention, dist)[0]
 
 
 def _is_mask(
@@ -164,6 +204,88 @@ def _is_mask(
     if min_version is None:
         return None
     return torch.as_tensor((versions >= 0) & (versions < min_version), device=device)
+
+
+def _selected(counts: np.ndarray, wp: np.ndarray, wn: np.ndarray, parent: np.ndarray):
+    """Indices of the tokens that carry a loss term: trained by some branch, with a parent."""
+    return np.flatnonzero(((counts > 0) | (wp != 0) | (wn != 0)) & (parent >= 0))
+
+
+class _Terms:
+    """Loss terms of one micro-batch (or branch) and their running metric sums."""
+
+    def __init__(self) -> None:
+        self.loss = self.pg = 0.0
+        self.n = self.n_ppo = self.clipped = self.n_is = 0
+        self.count = self.kl = self.entropy = 0.0
+
+    def add(
+        self,
+        model: torch.nn.Module,
+        ref_model: torch.nn.Module | None,
+        stats,  # callable(model, need_entropy) -> (logp, entropy | None)
+        blp: np.ndarray,
+        wp: np.ndarray,
+        wn: np.ndarray,
+        counts: np.ndarray,
+        versions: np.ndarray,
+        *,
+        cfg: LossConfig,
+        normalizer: float,
+        min_version: int | None,
+        device: str | torch.device,
+        backward: bool,
+    ) -> None:
+        logp, ent = stats(model, cfg.entropy_coef != 0)
+        dt = logp.dtype
+        blp_t = torch.as_tensor(blp, dtype=dt, device=device)
+        wp_t = torch.as_tensor(wp, dtype=dt, device=device)
+        wn_t = torch.as_tensor(wn, dtype=dt, device=device)
+        cnt_t = torch.as_tensor(counts, dtype=dt, device=device)
+        is_mask = _is_mask(versions, min_version, device)
+        pg = token_losses(logp, blp_t, wp_t, wn_t, cfg, is_mask)
+        kl = None
+        if ref_model is not None and cfg.kl_coef != 0:
+            with torch.no_grad():
+                ref_logp, _ = stats(ref_model, False)
+            kl = losses.kl_k3(logp, ref_logp)
+        tok = losses.regularised_token_loss(
+            pg, cnt_t, kl=kl, kl_coef=cfg.kl_coef, entropy=ent, entropy_coef=cfg.entropy_coef
+        )
+        loss = tok.sum() / normalizer
+        if backward:
+            loss.backward()
+        self.loss += float(loss.detach())
+        self.pg += float(pg.detach().sum()) / normalizer
+        self.n += len(blp)
+        self.count += float(cnt_t.sum())
+        if kl is not None:
+            self.kl += float((kl.detach() * cnt_t).sum())
+        if ent is not None:
+            self.entropy += float((ent.detach() * cnt_t).sum())
+        ppo = ~is_mask.cpu().numpy() if is_mask is not None else np.ones(len(blp), bool)
+        if cfg.loss == "tis":
+            ppo[:] = False
+        self.n_is += int((~ppo).sum())
+        if ppo.any():
+            lo, hi = cfg.clip_range
+            idx = torch.as_tensor(np.flatnonzero(ppo), device=device)
+            n_clip, active = losses.clip_counts(
+                logp[idx], blp_t[idx], wp_t[idx], wn_t[idx], eps_low=lo, eps_high=hi
+            )
+            self.clipped += n_clip
+            self.n_ppo += active
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss": self.loss,
+            "pg_loss": self.pg,
+            "trainable_tokens": float(self.n),
+            "clip_fraction": self.clipped / self.n_ppo if self.n_ppo else 0.0,
+            "is_tokens": float(self.n_is),
+            "kl": self.kl / self.count if self.count else 0.0,
+            "entropy": self.entropy / self.count if self.count else 0.0,
+        }
 
 
 def tree_loss_and_grads(
@@ -177,48 +299,48 @@ def tree_loss_and_grads(
     device: str | torch.device = "cpu",
     backward: bool = True,
     attention: str = "tree",
+    dist: SamplingDist = SamplingDist(),
+    ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """Tree-packed loss over ``samples``, gradients accumulated into ``model`` (no step).
 
-    Tokens with a policy version below ``min_version`` use truncated IS. Returns
-    plain metrics: loss, tokens (forwarded), trainable (weighted tokens), micro
-    batches, clip fraction.
+    Tokens with a policy version below ``min_version`` use truncated IS. Log-probs are
+    those of ``dist`` (the rollouts' sampling processing). ``ref_model`` (frozen) is the
+    reference of the KL term (needed when ``cfg.kl_coef > 0``). Returns plain metrics:
+    loss, pg_loss, tokens (forwarded), trainable_tokens (with a loss term), micro_batches,
+    clip_fraction (of weighted clipped-surrogate tokens), is_tokens, kl and entropy
+    (means per counted token; entropy only when ``cfg.entropy_coef > 0``).
     """
-    total = 0.0
-    n_tok = n_train = 0
-    clipped = 0.0
+    if cfg.kl_coef and ref_model is None:
+        raise TrainerError("kl_coef > 0 needs ref_model= the frozen reference policy")
+    terms = _Terms()
+    n_tok = 0
     packs = pack(samples, max_tokens)
     for p in packs:
-        sel = np.flatnonzero(((p.weight_pos != 0) | (p.weight_neg != 0)) & (p.parent_idx >= 0))
+        sel = _selected(p.counts, p.weight_pos, p.weight_neg, p.parent_idx)
         n_tok += p.n_tokens
         if not sel.size:
             continue
-        logp = packed_logprobs(model, p, sel, device, attention)
-        dt = logp.dtype
-        blp = torch.as_tensor(p.behaviour_logprobs[sel], dtype=dt, device=device)
-        wp = torch.as_tensor(p.weight_pos[sel], dtype=dt, device=device)
-        wn = torch.as_tensor(p.weight_neg[sel], dtype=dt, device=device)
-        loss = (
-            token_losses(
-                logp, blp, wp, wn, cfg, _is_mask(p.versions[sel], min_version, device)
-            ).sum()
-            / normalizer
+
+        def stats(m, need_entropy, p=p, sel=sel):
+            return packed_token_stats(m, p, sel, device, attention, dist, entropy=need_entropy)
+
+        terms.add(
+            model,
+            ref_model,
+            stats,
+            p.behaviour_logprobs[sel],
+            p.weight_pos[sel],
+            p.weight_neg[sel],
+            p.counts[sel],
+            p.versions[sel],
+            cfg=cfg,
+            normalizer=normalizer,
+            min_version=min_version,
+            device=device,
+            backward=backward,
         )
-        if backward:
-            loss.backward()
-        total += float(loss.detach())
-        n_train += sel.size
-        clipped += (
-            losses.clip_fraction(logp, blp, wp, wn, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-            * sel.size
-        )
-    return {
-        "loss": total,
-        "tokens": float(n_tok),
-        "trainable_tokens": float(n_train),
-        "micro_batches": float(len(packs)),
-        "clip_fraction": clipped / n_train if n_train else 0.0,
-    }
+    return {**terms.metrics(), "tokens": float(n_tok), "micro_batches": float(len(packs))}
 
 
 def flat_loss_and_grads(
@@ -230,11 +352,15 @@ def flat_loss_and_grads(
     min_version: int | None = None,
     device: str | torch.device = "cpu",
     backward: bool = True,
+    dist: SamplingDist = SamplingDist(),
+    ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
-    """The reference: every branch (a chain sample, ``parent_idx[i] == i - 1``) is a
-    plain causal sequence forwarded on its own with the model's default mask and
+    """The project's flat baseline: every branch (a chain sample, ``parent_idx[i] == i - 1``)
+    is a plain causal sequence forwarded on its own with the model's default mask and
     positions. Same loss terms and normaliser as ``tree_loss_and_grads``."""
-    total = 0.0
+    if cfg.kl_coef and ref_model is None:
+        raise TrainerError("kl_coef > 0 needs ref_model= the frozen reference policy")
+    terms = _Terms()
     n_tok = 0
     for b in branches:
         n = b.n_tokens
@@ -242,26 +368,31 @@ def flat_loss_and_grads(
             raise TrainerError(
                 f"branch {b.sample_id} is not a chain: flat branches need parent_idx = i - 1"
             )
-        sel = np.flatnonzero(((b.weight_pos != 0) | (b.weight_neg != 0)) & (b.parent_idx >= 0))
+        sel = _selected(b.counts, b.weight_pos, b.weight_neg, b.parent_idx)
         n_tok += n
         if not sel.size:
             continue
         ids = torch.as_tensor(b.token_ids.astype(np.int64), device=device)[None]  # (1, L)
-        hidden = _decoder(model)(input_ids=ids).last_hidden_state[0]  # (L, H)
-        logp = _gather_logp(
-            model, hidden, torch.as_tensor(sel - 1, device=device), ids[0, torch.as_tensor(sel)]
+
+        def stats(m, need_entropy, ids=ids, sel=sel):
+            hidden = _decoder(m)(input_ids=ids).last_hidden_state[0]  # (L, H)
+            rows = torch.as_tensor(sel - 1, device=device)
+            targets = ids[0, torch.as_tensor(sel, device=device)]
+            return _token_stats(m, hidden, rows, targets, dist, need_entropy)
+
+        terms.add(
+            model,
+            ref_model,
+            stats,
+            b.behaviour_logprobs[sel],
+            b.weight_pos[sel],
+            b.weight_neg[sel],
+            b.counts[sel],
+            b.versions[sel],
+            cfg=cfg,
+            normalizer=normalizer,
+            min_version=min_version,
+            device=device,
+            backward=backward,
         )
-        dt = logp.dtype
-        blp = torch.as_tensor(b.behaviour_logprobs[sel], dtype=dt, device=device)
-        wp = torch.as_tensor(b.weight_pos[sel], dtype=dt, device=device)
-        wn = torch.as_tensor(b.weight_neg[sel], dtype=dt, device=device)
-        loss = (
-            token_losses(
-                logp, blp, wp, wn, cfg, _is_mask(b.versions[sel], min_version, device)
-            ).sum()
-            / normalizer
-        )
-        if backward:
-            loss.backward()
-        total += float(loss.detach())
-    return {"loss": total, "tokens": float(n_tok)}
+    return {**terms.metrics(), "tokens": float(n_tok)}

@@ -42,6 +42,11 @@ class Packed:
     behaviour_logprobs: np.ndarray  # float64
     versions: np.ndarray  # int64
     sample_ids: list[str]  # the pieces' sample ids, in order
+    counts: np.ndarray | None = None  # int64, branches that train each token (0: context)
+
+    def __post_init__(self) -> None:
+        if self.counts is None:
+            self.counts = ((self.weight_pos != 0) | (self.weight_neg != 0)).astype(np.int64)
 
     @property
     def n_tokens(self) -> int:
@@ -101,9 +106,12 @@ def _take(sample: Sample, idx: np.ndarray, n_repeat: int, piece: int) -> Sample:
     parent = np.where(sample.parent_idx[idx] >= 0, local, -1)
     wp = sample.weight_pos[idx].copy()
     wn = sample.weight_neg[idx].copy()
+    cnt = sample.counts[idx].copy()
+    # the repeated ancestor path is context here: its tokens train in their own piece
     wp[:n_repeat] = 0.0
     wn[:n_repeat] = 0.0
-    trainable = (wp != 0) | (wn != 0)
+    cnt[:n_repeat] = 0
+    trainable = cnt > 0
     return replace(
         sample,
         sample_id=f"{sample.sample_id}#{piece}",
@@ -114,6 +122,7 @@ def _take(sample: Sample, idx: np.ndarray, n_repeat: int, piece: int) -> Sample:
         weight_neg=wn,
         behaviour_logprobs=sample.behaviour_logprobs[idx],
         versions=sample.versions[idx],
+        counts=cnt,
         n_tokens=len(idx),
         n_trainable=int(trainable.sum()),
         n_flat_tokens=0,
@@ -189,6 +198,7 @@ def collate(pieces: Sequence[Sample]) -> Packed:
         ),
         versions=np.concatenate([p.versions for p in pieces]).astype(np.int64),
         sample_ids=[p.sample_id for p in pieces],
+        counts=np.concatenate([p.counts for p in pieces]).astype(np.int64),
     )
 
 

@@ -17,12 +17,13 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tasks.train.logprobs import SamplingDist, SamplingDistError
 from tasks.train.packed_loss import (
     LossConfig,
     TrainerError,
@@ -36,6 +37,7 @@ from tasks.trajectory.sampler import Sample, staleness
 
 __all__ = [
     "LossConfig",
+    "SamplingDist",
     "Trainer",
     "TrainerError",
     "flat_loss_and_grads",
@@ -78,6 +80,20 @@ class Trainer:
     ``attention``: ``tree`` (chain-wise, default) or ``dense`` (4D mask);
     ``version``: the policy version the weights are (``load`` reads it back).
     A float64 trainer keeps RMSNorm in float64 (``keep_norms_in_fp64``).
+
+    ``temperature`` / ``top_p`` / ``top_k``: the sampling processing of the rollouts; the
+    new policy's log-probs are taken under the same processing (tasks/train/logprobs.py),
+    so that the ratio to the engine's reported logprob is 1 at zero staleness.
+    ``kl_coef``: weight of the k3 KL to a frozen reference policy loaded from
+    ``ref_model_dir`` (default: ``model_dir``, the warm start; a resumed trainer must be
+    given the v0 directory). ``entropy_coef``: weight of the entropy bonus.
+
+    Determinism: the same weights, seed, settings and samples (in the same order) give
+    the same update bit for bit on one machine with the same torch thread count
+    (``torch.get_num_threads()``: it sets how CPU matmuls split their sums). Other
+    thread counts, another BLAS / CPU kind, a GPU without
+    ``torch.use_deterministic_algorithms`` or another sample order (packing and the
+    order of the sums follow it) change the low bits.
     """
 
     def __init__(
@@ -98,6 +114,12 @@ class Trainer:
         is_cap: float = 2.0,
         version: int = 0,
         attention: str = "tree",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        ref_model_dir: str | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -111,8 +133,14 @@ class Trainer:
                 f"clip_eps_low={clip_eps_low}, clip_eps_high={clip_eps_high}: need 0 <= low < 1, high >= 0"
             )
         try:
-            self.loss_cfg = LossConfig(loss, clip_eps_low, clip_eps_high, is_cap)
+            self.loss_cfg = LossConfig(
+                loss, clip_eps_low, clip_eps_high, is_cap, kl_coef, entropy_coef
+            )
         except TrainerError as e:
+            errors.append(str(e))
+        try:
+            self.dist = SamplingDist(temperature, top_p, top_k)
+        except SamplingDistError as e:
             errors.append(str(e))
         if attention not in ("tree", "dense"):
             errors.append(f"attention={attention!r}: use 'tree' (chain-wise) or 'dense' (4D mask)")
@@ -138,17 +166,37 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=weight_decay
         )
+        self.ref_model_dir = None
+        self.ref_model: torch.nn.Module | None = None
+        if kl_coef > 0:
+            self.ref_model_dir = str(ref_model_dir or model_dir)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                self.ref_model_dir, dtype=dtype, attn_implementation="sdpa"
+            ).to(self.device)
+            if dtype == torch.float64:
+                keep_norms_in_fp64(self.ref_model)
+            self.ref_model.eval().requires_grad_(False)
 
-    def step(
-        self, samples: Sequence[Sample], current_version: int | None = None
+    def loss_and_grads(
+        self,
+        samples: Sequence[Sample],
+        current_version: int | None = None,
+        *,
+        normalizer: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on ``samples``; returns ``train/*`` metrics."""
-        t0 = time.perf_counter()
+        """Accumulate the step's loss gradients into the model (no optimizer step).
+
+        The loss is a token mean over the step: every term is divided by the flat
+        trainable-token count of the samples (``Sample.n_flat_trainable``), so the tree
+        loss equals per-branch flat training; a data-parallel member passes the whole
+        batch's ``normalizer`` instead of its shard's. Tokens older than ``current_version -
+        max_staleness`` get truncated IS. Returns the raw metrics of
+        ``tree_loss_and_grads``."""
         version = self.version if current_version is None else current_version
         min_version = version - self.max_staleness if self.max_staleness is not None else None
-        normalizer = float(sum(s.n_flat_trainable for s in samples)) or 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        m = tree_loss_and_grads(
+        if normalizer is None:
+            normalizer = float(sum(s.n_flat_trainable for s in samples)) or 1.0
+        return tree_loss_and_grads(
             self.model,
             samples,
             cfg=self.loss_cfg,
@@ -157,7 +205,29 @@ class Trainer:
             min_version=min_version,
             device=self.device,
             attention=self.attention,
+            dist=self.dist,
+            ref_model=self.ref_model,
         )
+
+    def step(
+        self,
+        samples: Sequence[Sample],
+        current_version: int | None = None,
+        *,
+        normalizer: float | None = None,
+        reduce_grads: Callable[[torch.nn.Module], None] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on ``samples``; returns ``train/*`` metrics.
+
+        Data parallel (tasks/train/dp.py): each member passes its shard, the whole batch's
+        ``normalizer`` and ``reduce_grads`` (sums gradients over members before clipping).
+        """
+        t0 = time.perf_counter()
+        version = self.version if current_version is None else current_version
+        self.optimizer.zero_grad(set_to_none=True)
+        m = self.loss_and_grads(samples, version, normalizer=normalizer)
+        if reduce_grads is not None:
+            reduce_grads(self.model)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if params:
             max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
@@ -171,6 +241,10 @@ class Trainer:
         lags = [x for x in (staleness(s, version) for s in samples) if not math.isnan(x)]
         return {
             "train/loss": m["loss"],
+            "train/pg_loss": m["pg_loss"],
+            "train/kl": m["kl"],
+            "train/entropy": m["entropy"],
+            "train/is_tokens": m["is_tokens"],
             "train/tokens": m["tokens"],
             "train/trainable_tokens": m["trainable_tokens"],
             "train/flat_tokens": float(sum(s.n_flat_tokens for s in samples)),
@@ -206,10 +280,18 @@ class Trainer:
     @classmethod
     def load(cls, ckpt_dir: str, **kwargs) -> Trainer:
         """A trainer from a ``save`` directory: weights, optimizer state and counters
-        (``lr`` and other settings come from ``kwargs``, as for ``__init__``)."""
+        (``lr`` and other settings come from ``kwargs``, as for ``__init__``).
+
+        With ``kl_coef > 0`` the reference must be named (``ref_model_dir``) when the
+        checkpoint is not version 0: its own weights are not the warm start."""
         ckpt = Path(ckpt_dir)
         state = json.loads((ckpt / STATE_FILE).read_text()) if (ckpt / STATE_FILE).is_file() else {}
         kwargs.setdefault("version", int(state.get("version", 0)))
+        if kwargs.get("kl_coef", 0.0) > 0 and not kwargs.get("ref_model_dir") and kwargs["version"]:
+            raise TrainerError(
+                f"kl_coef > 0 resuming {ckpt_dir} at version {kwargs['version']}: pass "
+                "ref_model_dir= the version-0 (warm-start) checkpoint, the KL reference"
+            )
         t = cls(str(ckpt), **kwargs)
         t.n_steps = int(state.get("n_steps", 0))
         if (ckpt / OPTIMIZER_FILE).is_file():

@@ -175,10 +175,13 @@ def tree_attention_forward(
 
 
 def enable(model: torch.nn.Module) -> None:
-    """Register ``gyre_tree`` and switch ``model`` to it (idempotent)."""
+    """Register ``gyre_tree`` and switch ``model`` to it (idempotent).
+
+    Registers every time: a re-imported module (a reload, a test copy) must not leave the
+    global registry pointing at an older function."""
     from transformers import AttentionInterface
 
-    if NAME not in AttentionInterface._global_mapping:
+    if AttentionInterface._global_mapping.get(NAME) is not tree_attention_forward:
         AttentionInterface.register(NAME, tree_attention_forward)
     if getattr(model.config, "_attn_implementation", None) != NAME:
         model.set_attn_implementation(NAME)

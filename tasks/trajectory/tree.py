@@ -452,15 +452,24 @@ def build_trees(
     return trees
 
 
-def root_session(trees: Mapping[str, TrajectoryTree], session_id: str) -> str:
-    """The top-level session a (possibly nested) sub-agent session belongs to."""
+def root_session(parents: Mapping[str, str | None], session_id: str) -> str:
+    """The top-level session a (possibly nested) sub-agent session works for.
+
+    ``parents`` maps a session id to the session it works for (None or absent at the
+    top); ``session_parents(trees)`` builds it from trees. A cycle is corrupt input.
+    """
     seen = {session_id}
     sid = session_id
     while True:
-        t = trees.get(sid)
-        if t is None or t.parent_session_id is None:
+        parent = parents.get(sid)
+        if parent is None:
             return sid
-        sid = t.parent_session_id
+        sid = parent
         if sid in seen:
             raise TreeError(f"session parents form a cycle through {sid!r}")
         seen.add(sid)
+
+
+def session_parents(trees: Mapping[str, TrajectoryTree]) -> dict[str, str | None]:
+    """session id -> the session it works for, from the trees' sub-agent links."""
+    return {sid: t.parent_session_id for sid, t in trees.items()}

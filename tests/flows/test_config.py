@@ -1,3 +1,5 @@
+import copy
+import pickle
 from pathlib import Path
 
 import pytest
@@ -46,9 +48,17 @@ def test_unknown_preset_and_unreadable_file(tmp_path):
     assert "unknown preset" in str(ei.value) and "cannot read" in str(ei.value)
 
 
-def test_model_path_must_exist():
-    with pytest.raises(ConfigError, match=r"model\.path"):
-        load_config(overrides=["model.path=/nope/nothing"])
+def test_model_path_must_be_a_checkpoint(tmp_path):
+    from flows.preflight import check_model_dir, preflight
+    from infra.engine.tiny_model import make_tiny_model
+
+    store = f"store={tmp_path / 'store'}"
+    with pytest.raises(ConfigError, match=r"model\.path='/nope/nothing': no such directory"):
+        preflight(load_config(overrides=["model.path=/nope/nothing", store]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"not a checkpoint: it lacks config.json, weights"):
+        preflight(load_config(overrides=[f"model.path={tmp_path / 'empty'}", store]))
+    assert check_model_dir(make_tiny_model()) is None
 
 
 def test_config_is_frozen():
@@ -60,3 +70,42 @@ def test_config_is_frozen():
 def test_kv_budget_checked_against_max_new_tokens():
     with pytest.raises(ConfigError, match=r"model\.kv_cache_tokens=2048: too small"):
         load_config(overrides=["model.kv_cache_tokens=2048", "rollout.max_new_tokens=4096"])
+
+
+@pytest.mark.parametrize(
+    "override, setting",
+    [
+        ("train.steps=true", "train.steps"),  # a bool is not a step count
+        ("train.steps=1e12", "train.steps"),  # a float is not a step count
+        ("rollout.group_size='4'", "rollout.group_size"),  # a quoted string is not a size
+        ("cluster.memory_limit=6", "cluster.memory_limit"),  # a size is a string like 6GiB
+    ],
+)
+def test_values_are_strictly_typed(override, setting):
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="tiny", overrides=[override])
+    assert any(p.startswith(setting + "=") for p in err.value.problems), err.value.problems
+
+
+def test_exponent_floats_and_ints_are_read_as_numbers():
+    cfg = load_config(overrides=["train.lr=1e-3", "rollout.temperature=1", "train.steps=3"])
+    assert cfg.train.lr == 1e-3 and cfg.rollout.temperature == 1.0 and cfg.train.steps == 3
+
+
+def test_load_config_never_changes_the_presets():
+    before = copy.deepcopy(PRESETS)
+    load_config(preset="demo", overrides=["train.steps=1", "rollout.group_size=2"])
+    with pytest.raises(ConfigError):
+        load_config(preset="demo", overrides=["train.nope=1"])
+    assert before == PRESETS
+    assert load_config(preset="demo").train.steps == PRESETS["demo"]["train"]["steps"]
+
+
+def test_sections_reach_tasks_as_their_own_typed_models():
+    from tasks.env.config import RolloutConfig
+    from tasks.train.config import TrainConfig
+
+    cfg = load_config(preset="tiny", overrides=["train.advantage=per_subtask"])
+    assert isinstance(cfg.train, TrainConfig) and isinstance(cfg.rollout, RolloutConfig)
+    assert cfg.train.advantage == "per_subtask"  # the name a task reads is the name a user sets
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # travels to Dask workers as is

@@ -20,6 +20,9 @@ def test_prefect_yaml_deployment():
     params = dep["parameters"]
     assert set(params) <= set(inspect.signature(flow.fn).parameters)
     load_config(preset=params["preset"], overrides=params["overrides"], store=params["store"])
+    for mode in ("colocate", "async", "async-stream", "elastic"):  # what the Run form takes
+        cfg = load_config(preset=params["preset"], overrides=[f"scheduler.mode={mode}"])
+        assert cfg.scheduler.mode == mode
     (sched,) = dep["schedules"]
     assert sched["active"] is False and len(sched["cron"].split()) == 5
     from prefect.client.schemas.schedules import CronSchedule

@@ -18,6 +18,7 @@ from storage.sql import VIEW_COUNTS, VIEWS, query
 from storage.store import Store
 from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
+from tests.s3 import moto_s3
 
 pytestmark = pytest.mark.integration
 
@@ -27,11 +28,11 @@ GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 def _run(store_url: str, audit_dir: Path) -> dict:
     from flows.rl_run import rl_run
 
-    os.environ["GYRE_ENGINE_AUDIT_DIR"] = str(audit_dir)
-    try:
-        return rl_run(preset="tiny", store=store_url, overrides=["rollout.group_size=3"])
-    finally:
-        os.environ.pop("GYRE_ENGINE_AUDIT_DIR", None)
+    return rl_run(
+        preset="tiny",
+        store=store_url,
+        overrides=["rollout.group_size=3", f"model.audit_dir={audit_dir}"],
+    )
 
 
 def _audited(audit_dir: Path) -> dict[str, list[int]]:
@@ -108,33 +109,12 @@ def test_cli_sql_shows_every_view(local_run):
 
 
 @pytest.fixture(scope="module")
-def moto_s3(free_port):
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="gyre-test")
-    yield env
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+def moto_s3_env(free_port):
+    with moto_s3(free_port(), buckets=("gyre-test",)) as server:
+        yield server.env
 
 
-def test_run_on_s3_store(prefect_harness, moto_s3, tmp_path):
+def test_run_on_s3_store(prefect_harness, moto_s3_env, tmp_path):
     url = "s3://gyre-test/runs/a"
     summary = _run(url, tmp_path / "audit")
     store = Store(url)

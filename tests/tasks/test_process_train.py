@@ -10,22 +10,14 @@ from storage.checkpoints import latest_version, publish_checkpoint
 from storage.sql import query
 from storage.store import Store
 from storage.tito import TitoRecord
+from tasks.handles import SessionHandle
 from tasks.process import process_sessions
+from tasks.train.config import TrainConfig
 from tasks.train_step import LedgerError, train_on_samples
 
 pytestmark = pytest.mark.integration
 
-TRAIN_CFG = {
-    "lr": 1e-3,
-    "loss": "ppo_clip",
-    "clip_eps_low": 0.2,
-    "clip_eps_high": 0.28,
-    "max_tokens_per_micro": 4096,
-    "seed": 0,
-    "is_cap": 2.0,
-    "max_staleness": 1,
-    "stale_policy": "drop",
-}
+TRAIN_CFG = TrainConfig(lr=1e-3, loss="ppo_clip", max_staleness=1, stale_policy="drop")
 
 
 def _session(sid: str, rng: np.random.Generator) -> list[TitoRecord]:
@@ -62,14 +54,7 @@ def test_process_then_train_then_ledger_refuses_replay(tmp_path):
         recs = _session(sid, rng)
         records += recs
         sessions.append(
-            {
-                "session_id": sid,
-                "group_id": "g0",
-                "task_id": "t",
-                "status": "finished",
-                "reason": "",
-                "subtasks": {"a": 1.0, "b": 1.0},
-            }
+            SessionHandle(sid, "g0", "t", step=0, status="finished", subtasks={"a": 1.0, "b": 1.0})
         )
         scores.append(
             {
@@ -88,15 +73,7 @@ def test_process_then_train_then_ledger_refuses_replay(tmp_path):
     sub = _session("s3", rng)
     records += sub
     sessions.append(
-        {
-            "session_id": "s3",
-            "group_id": "g0",
-            "task_id": "t",
-            "status": "finished",
-            "reason": "",
-            "subtasks": {},
-            "parent_session_id": "s0",
-        }
+        SessionHandle("s3", "g0", "t", step=0, status="finished", parent_session_id="s0")
     )
     scores.append(
         {
@@ -115,8 +92,8 @@ def test_process_then_train_then_ledger_refuses_replay(tmp_path):
     store.append("scores", scores)
 
     out = process_sessions(store, "run", 0, sessions, current_version=0)
-    assert out["n_calls"] == 12 and out["n_samples"] == 4
-    assert out["tokens_unique"] < out["tokens_flat"]
+    assert out.n_calls == 12 and out.n_samples == 4
+    assert out.tokens_unique < out.tokens_flat
     rows = query(
         store, "SELECT session_id, reward, parent_session_id FROM rollouts ORDER BY 1"
     ).to_pylist()
@@ -132,12 +109,13 @@ def test_process_then_train_then_ledger_refuses_replay(tmp_path):
     assert branch[0]["n"] == 4  # one branch point per session (the retry)
 
     publish_checkpoint(store, "run", make_tiny_model(), 0)
-    trained = train_on_samples(store, "run", 0, out["samples_segment"], TRAIN_CFG)
-    assert trained["weight_version"] == 1 and latest_version(store, "run") == 1
-    assert trained["train/trainable_tokens"] > 0 and np.isfinite(trained["train/loss"])
+    trained = train_on_samples(store, "run", 0, out.samples_segment, TRAIN_CFG)
+    assert trained.weight_version == 1 and latest_version(store, "run") == 1
+    m = trained.metrics
+    assert m["train/trainable_tokens"] > 0 and np.isfinite(m["train/loss"])
     steps = query(store, "SELECT step, weight_version, n_samples FROM steps").to_pylist()
     assert steps == [{"step": 0, "weight_version": 1, "n_samples": 4}]
     assert query(store, "SELECT count(*) AS n FROM ledger").to_pylist() == [{"n": 4}]
     with pytest.raises(LedgerError, match="already trained"):
-        train_on_samples(store, "run", 1, out["samples_segment"], TRAIN_CFG)
+        train_on_samples(store, "run", 1, out.samples_segment, TRAIN_CFG)
     assert latest_version(store, "run") == 1  # the refused step published nothing

@@ -27,10 +27,22 @@ def ref_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def recompute_logprobs(model, prompt, output):
-    """Full forward over prompt + output; logprob of each output token (raw logits)."""
+def recompute_logprobs(model, prompt, output, params=None):
+    """Full forward over prompt + output; logprob of each output token under the distribution
+    it was drawn from: logits / temperature, top-k, then top-p (smallest most-likely-first
+    prefix reaching the mass), renormalised; raw logits when greedy or no params."""
+    p = params or {}
+    t = p.get("temperature", 1.0) or 1.0
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
+        logits = model(torch.tensor([prompt + output])).logits[0].float() / t
+    k, top_p = p.get("top_k", -1), p.get("top_p", 1.0)
+    if 0 < k < logits.shape[-1]:
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        probs, order = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
+        cut = (torch.cumsum(probs, -1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(cut).scatter(1, order, cut), float("-inf"))
     lp = torch.log_softmax(logits, dim=-1)
     return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
 
@@ -54,7 +66,7 @@ def test_logprobs_match_full_recompute(engine, ref_model, params):
     assert len(out) == 24 and res["meta_info"]["finish_reason"]["type"] == "length"
     got = [lp for lp, tok, _ in res["meta_info"]["output_token_logprobs"]]
     assert [tok for _, tok, _ in res["meta_info"]["output_token_logprobs"]] == out
-    ref = recompute_logprobs(ref_model, prompt, out)
+    ref = recompute_logprobs(ref_model, prompt, out, params)
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4
 
 
@@ -124,8 +136,8 @@ def test_top_k_one_is_greedy(engine):
         p, {"max_new_tokens": 10, "top_k": 1, "sampling_seed": 3, "ignore_eos": True}
     )
     assert greedy["output_ids"] == topk1["output_ids"]
-    # reported logprobs are of the raw distribution, not the top-k-truncated one (which is 0)
-    assert all(lp < 0 for lp, _, _ in topk1["meta_info"]["output_token_logprobs"])
+    # reported logprobs are of the distribution sampled from: top-k 1 is a point mass
+    assert all(lp == 0.0 for lp, _, _ in topk1["meta_info"]["output_token_logprobs"])
 
 
 def test_tiny_top_p_keeps_only_the_top_token(engine):

@@ -1,4 +1,8 @@
-"""Sampling params validation and the next-token sampler on hand-made logits."""
+"""Sampling params validation and the next-token sampler on hand-made logits.
+
+The reported logprob is checked against a reference written here from the definition: the
+distribution actually drawn from (softmax of logits / T, cut to the k most likely, then to the
+smallest most-likely-first prefix reaching mass top_p, renormalised)."""
 
 import math
 
@@ -11,12 +15,35 @@ from infra.engine.sampling import SamplingParams, sample_next
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))  # softmax gives these probs
 
 
+def drawn_from(logits, params) -> list[float]:
+    """Reference: probabilities of the distribution a token is drawn from (plain Python)."""
+    z = [float(x) / params.temperature for x in logits]
+    m = max(z)
+    p = [math.exp(x - m) for x in z]
+    p = [x / sum(p) for x in p]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = set(order)
+    if 0 < params.top_k < len(p):
+        keep = set(order[: params.top_k])
+        p = [x if i in keep else 0.0 for i, x in enumerate(p)]
+        p = [x / sum(p) for x in p]
+    if params.top_p < 1:
+        mass, nucleus = 0.0, set()
+        for i in order:
+            if i in keep and mass < params.top_p:
+                nucleus.add(i)
+                mass += p[i]
+        p = [x if i in nucleus else 0.0 for i, x in enumerate(p)]
+    return [x / sum(p) for x in p]
+
+
 def frequencies(params, n=6000, seed=0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(len(LOGITS))
+    q = drawn_from(LOGITS.tolist(), params)
     for _ in range(n):
         tok, lp = sample_next(LOGITS, params, g)
-        assert math.isclose(lp, float(torch.log_softmax(LOGITS, -1)[tok]), abs_tol=1e-6)
+        assert math.isclose(lp, math.log(q[tok]), abs_tol=1e-6), (tok, lp, q)
         counts[tok] += 1
     return counts / n
 
@@ -40,6 +67,31 @@ def test_top_k_and_top_p_restrict_support():
     assert torch.allclose(freq, torch.tensor([5 / 7, 2 / 7, 0, 0, 0]), atol=0.03)
     freq = frequencies(SamplingParams(top_p=0.5), n=2000)
     assert freq[0] == 1.0
+
+
+def test_reported_logprob_is_the_drawn_distribution_not_the_raw_one():
+    """At T != 1 or with top-k/top-p the raw log-softmax is not what the token was drawn
+    with; the reported number is (a trainer at the same processing gets ratio 1)."""
+    torch.manual_seed(1)
+    logits = torch.randn(50) * 3
+    raw = torch.log_softmax(logits, -1)
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=7),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.8),
+    ):
+        q = drawn_from(logits.tolist(), params)
+        g = torch.Generator().manual_seed(3)
+        gap = 0.0
+        for _ in range(30):
+            tok, lp = sample_next(logits, params, g)
+            assert q[tok] > 0 and math.isclose(lp, math.log(q[tok]), abs_tol=1e-5)
+            gap = max(gap, abs(lp - float(raw[tok])))
+        assert gap > 0.05, params  # the raw number would be a different one
+    # greedy: the raw log-softmax of the argmax
+    tok, lp = sample_next(logits, SamplingParams(temperature=0), torch.Generator())
+    assert tok == int(logits.argmax()) and math.isclose(lp, float(raw[tok]), abs_tol=1e-6)
 
 
 def test_greedy_and_seeded_draws():

@@ -214,6 +214,11 @@ def test_control_endpoints_over_http(model_dirs):
 
     try:
         aborted, res, version, after, bad = run(go())
+        # the blocking form a cell uses (no event loop of its own)
+        assert EngineClient.update_weights_blocking(url, model_dirs[0], 7)["success"] is True
+        assert eng.weight_version == 7
+        with pytest.raises(EngineError, match="nonexistent"):
+            EngineClient.update_weights_blocking(url, "/nonexistent/ckpt", 8)
     finally:
         srv.stop()
         eng.close()

@@ -40,15 +40,15 @@ class ScriptedEngine(Engine):
             self.requests[req.rid] = req
         return req
 
-    def _emit(self, req, logits):
-        script = self.scripts.get(req.rid)
-        if script is None:
-            return super()._emit(req, logits)
-        i = len(req.output_ids)
-        tok = script[i] if i < len(script) else self.eos_token_ids[0]
-        real = float(torch.log_softmax(logits.float(), dim=-1)[tok])
-        forced = torch.full_like(logits, -1e9)
-        forced[tok] = 0.0
-        reason = super()._emit(req, forced)
-        req.output_logprobs[-1] = real
-        return reason
+    def _choose(self, logits, reqs):
+        """The engine's own draw, but a scripted request's token is forced (teacher-forced:
+        its logprob is still the model's ``log_softmax`` of that token)."""
+        picks = super()._choose(logits, reqs)
+        for b, req in enumerate(reqs):
+            script = self.scripts.get(req.rid)
+            if script is None:
+                continue
+            i = len(req.output_ids)
+            tok = script[i] if i < len(script) else self.eos_token_ids[0]
+            picks[b] = (tok, float(torch.log_softmax(logits[b].float(), dim=-1)[tok]))
+        return picks

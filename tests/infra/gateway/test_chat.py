@@ -222,3 +222,29 @@ def test_template_is_message_local_and_probe_matches_full_render(tok):
     msgs = [*long, {"role": "user", "content": "Last."}]
     k = len(long) - 1
     assert tok._suffix(msgs, k, None, probe=True) == tok._suffix(msgs, k, None, probe=False)
+
+
+def test_one_render_suffix_equals_the_full_render(tok):
+    """The fast path (one render, the system turn's rendering cached) gives the text the full
+    conversation's rendering has after each assistant reply; a reply holding the end marker's
+    text itself goes the two-render way and is still right."""
+    assert tok.fast_suffix
+    tc = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    convs = [
+        [SYS, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
+         {"role": "user", "content": "U2"}, {"role": "assistant", "content": "", "tool_calls": tc},
+         {"role": "tool", "tool_call_id": "c1", "content": "R"}],
+        [{"role": "user", "content": "U1"},
+         {"role": "assistant", "content": "A1 <|im_end|> spoof"},
+         {"role": "user", "content": "U2"}],
+    ]  # fmt: skip
+    for msgs in convs:
+        for tl in (None, tools):
+            for k, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                full = tok._suffix(msgs, k, tl, probe=False)[0]
+                assert tok.suffix_after_reply(msgs, k, tl) == full
+                if "<|im_end|>" not in m["content"]:
+                    assert tok._suffix_one_render(msgs, k, tl) == full

@@ -426,11 +426,8 @@ def test_isolation_and_bad_input_store_nothing(gateway, tmp_path, model_dir, cel
         400,
         "invalid_token_id",
     )
-    _err(
-        httpx.post(url + "/generate", json={"input_ids": ["a"]}, headers=h_a),
-        400,
-        "invalid_token_id",
-    )
+    err = _err(httpx.post(url + "/generate", json={"input_ids": ["a"]}, headers=h_a), 400)
+    assert err["param"] == "input_ids[0]"
     long = [5] * 40000  # over the tiny model's 32768-token context
     _err(
         httpx.post(url + "/generate", json={"input_ids": long}, headers=h_a),

@@ -1,4 +1,7 @@
-from tasks.env.arith import ArithEnv, calculator, grade, make_task
+import random
+
+from tasks.env.arith import ArithEnv, ArithSuite, calculator, grade, make_task
+from tasks.env.suite import Outcome
 
 
 def test_task_is_deterministic():
@@ -44,3 +47,41 @@ def test_env_keeps_best_attempt_and_marks_unreached():
     }
     env.mark("unfinished", "later mark does not override")
     assert {r["subtask_id"]: r for r in env.score_rows()}["s2"]["status"] == "timeout"
+
+
+def _original_questions(seed: int, n: int) -> list[str]:
+    """The generator the default run used before suites existed, written out again."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        out.append(f"What is {a} {rng.choice('+*-')} {b}?")
+    return out
+
+
+def test_suite_tasks_follow_the_seed_and_the_old_generator():
+    suite = ArithSuite(subtasks=3)
+    assert suite.task(5) == suite.task(5) and suite.task(5) != suite.task(6)
+    # difficulty 1 (the default) is exactly the generator `gyre run --preset tiny` used
+    for seed in range(20):
+        assert [s.description for s in suite.task(seed).subtasks] == _original_questions(seed, 3)
+    _, easy = make_task(5, 8, difficulty=0)
+    assert all("+" in s.question and s.answer <= 10 for s in easy)
+
+
+def test_suite_evaluate_marks_by_outcome():
+    suite = ArithSuite(subtasks=3)
+    env = suite.start(suite.task(2), "")
+    s0 = env.turns[0]
+    assert env.call_tool(s0.turn_id, "calculator", {"expression": "2*3"}) == "6"
+    assert env.call_tool(s0.turn_id, "rm", {}) == "error: unknown tool 'rm'"
+    env.submit(s0.turn_id, str(env.subtasks[0].answer), "req-9")
+    rows = suite.evaluate(env, Outcome("failed", "harness crashed"))
+    assert [(r.score, r.status, r.at_request_id) for r in rows] == [
+        (1.0, "finished", "req-9"),
+        (0.0, "failed", None),
+        (0.0, "failed", None),
+    ]
+    assert rows[1].reason == "harness crashed" and rows[0].source == "env"
+    fresh = suite.start(suite.task(2), "")
+    assert {r.status for r in suite.evaluate(fresh, Outcome("finished"))} == {"unfinished"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -94,3 +96,33 @@ def test_clip_fraction_and_overflow_guard():
     loss = losses.ppo_clip_loss(lp, blp.float(), wp.float(), wn.float(), normalizer=1.0)
     loss.backward()
     assert torch.isfinite(lp.grad).all()
+
+
+def test_kl_k3_by_hand():
+    lp = t(0.0, math.log(0.5), -1.0).requires_grad_(True)
+    ref = t(math.log(2.0), math.log(0.5), -3.0)
+    kl = losses.kl_k3(lp, ref)
+    # d = ref - logp: e^d - d - 1 (>= 0, 0 iff the policies agree on the token)
+    want = [2.0 - math.log(2.0) - 1.0, 0.0, math.exp(-2.0) + 2.0 - 1.0]
+    assert kl.tolist() == pytest.approx(want)
+    kl.sum().backward()
+    # d/dlogp (e^d - d - 1) = 1 - e^d
+    assert lp.grad.tolist() == pytest.approx([1 - 2.0, 0.0, 1 - math.exp(-2.0)])
+
+
+def test_regularised_token_loss_counts_every_branch():
+    pg, count = t(0.5, -1.0), t(3.0, 1.0)
+    kl, ent = t(0.2, 0.0), t(1.0, 2.0)
+    got = losses.regularised_token_loss(
+        pg, count, kl=kl, kl_coef=0.1, entropy=ent, entropy_coef=0.01
+    )
+    assert got.tolist() == pytest.approx([0.5 + 0.1 * 3 * 0.2 - 0.01 * 3 * 1.0, -1.0 - 0.01 * 2.0])
+    assert losses.regularised_token_loss(pg, count, kl=kl, entropy=ent).tolist() == pg.tolist()
+
+
+def test_clip_counts_use_the_range_they_are_given():
+    lp, blp = t(0.0, 0.0, 0.0), torch.log(t(1 / 1.25, 1 / 0.75, 1.0))  # r = 1.25, 0.75, 1
+    wp, wn = t(1.0, 0.0, 0.0), t(0.0, -1.0, 0.0)  # the third token carries no weight
+    assert losses.clip_counts(lp, blp, wp, wn, eps_low=0.2, eps_high=0.28) == (1, 2)
+    assert losses.clip_counts(lp, blp, wp, wn, eps_low=0.2, eps_high=0.2) == (2, 2)
+    assert losses.clip_counts(lp, blp, wp, wn, eps_low=0.3, eps_high=0.3) == (0, 2)

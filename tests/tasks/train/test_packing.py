@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -58,9 +60,12 @@ def test_chain_plan_by_hand_matches_mask():
 
 
 def random_sample(seed, n_calls=15):
-    recs, spans = random_session(np.random.default_rng(seed), n_calls=n_calls, vocab=8)
-    (smp,) = build_samples(build_trees(recs, spans=spans), {"s0": 1.0}, estimator="reward")
-    return smp
+    """A random tree with mixed-sign weights (both parts on some tokens)."""
+    rng = np.random.default_rng(seed)
+    recs, spans = random_session(rng, n_calls=n_calls, vocab=8)
+    (smp,) = build_samples(build_trees(recs, spans=spans), {"s0": 1.0}, advantage="reward")
+    neg = -rng.random(smp.n_tokens) * (smp.counts > 0) * (rng.random(smp.n_tokens) < 0.6)
+    return replace(smp, weight_neg=neg)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -81,7 +86,10 @@ def test_partition_covers_each_token_once_repeating_only_the_path(seed):
         assert np.array_equal(piece.token_ids, smp.token_ids[idx])
         assert np.array_equal(piece.positions, smp.positions[idx])
         assert not piece.weight_pos[:n_rep].any() and not piece.weight_neg[:n_rep].any()
+        assert not piece.counts[:n_rep].any()  # the repeated path trains in its own piece
         assert np.array_equal(piece.weight_pos[n_rep:], smp.weight_pos[a : a + rng_len])
+        assert np.array_equal(piece.weight_neg[n_rep:], smp.weight_neg[a : a + rng_len])
+        assert np.array_equal(piece.counts[n_rep:], smp.counts[a : a + rng_len])
         # local parents map back to the global parents
         glob_parent = np.where(piece.parent_idx >= 0, idx[np.maximum(piece.parent_idx, 0)], -1)
         assert np.array_equal(glob_parent, smp.parent_idx[idx])
@@ -89,6 +97,9 @@ def test_partition_covers_each_token_once_repeating_only_the_path(seed):
         a += rng_len
     assert (seen == 1).all()
     assert sum(p.weight_pos.sum() for p in pieces) == pytest.approx(smp.weight_pos.sum())
+    assert sum(p.weight_neg.sum() for p in pieces) == pytest.approx(smp.weight_neg.sum())
+    assert smp.weight_neg.min() < 0 < smp.weight_pos.max()
+    assert sum(int(p.counts.sum()) for p in pieces) == int(smp.counts.sum())
 
 
 def test_partition_refuses_a_path_longer_than_the_budget():
@@ -107,9 +118,10 @@ def test_pack_respects_budget_and_keeps_weights():
     budget = max(s.n_tokens for s in samples) * 3 // 2
     packs = pack(samples, budget)
     assert all(p.n_tokens <= budget for p in packs)
-    assert sum(p.weight_pos.sum() for p in packs) == pytest.approx(
-        sum(s.weight_pos.sum() for s in samples)
-    )
+    for f in ("weight_pos", "weight_neg", "counts"):
+        assert sum(getattr(p, f).sum() for p in packs) == pytest.approx(
+            sum(getattr(s, f).sum() for s in samples)
+        )
     assert len(packs) < sum(
         len(partition(s, budget)) for s in samples
     )  # pieces share micro-batches

@@ -211,16 +211,21 @@ def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
 
 
 def test_tree_equals_flat_with_stale_tokens_truncated_is():
+    """Both signs of advantage reach the truncated-IS tokens (a rollout above and one below
+    its group's mean)."""
     model = tiny_model(seed=3)
-    recs, spans = session(7, "s0", n_calls=12)
-    trees = build_trees(recs, spans=spans)
-    samples = build_samples(trees, {"s0": 1.0}, estimator="reward")
-    branches = flat_branches(recs, spans, 1.0, "s0")
-    vmax = max(r.weight_version for r in recs)
-    dl, dg, _, _, _ = compare(
+    (ra, sa), (rb, sb) = session(7, "s0", n_calls=12), session(8, "s1", n_calls=12)
+    trees = build_trees(ra + rb, spans=sa | sb)
+    rewards, groups = {"s0": 1.0, "s1": 0.0}, {"s0": "g", "s1": "g"}
+    samples = build_samples(trees, rewards, groups)
+    adv = group_advantages(rewards, groups)
+    branches = flat_branches(ra, sa, adv["s0"], "s0") + flat_branches(rb, sb, adv["s1"], "s1")
+    assert min(s.weight_neg.min() for s in samples) < 0 < max(s.weight_pos.max() for s in samples)
+    vmax = max(r.weight_version for r in ra + rb)
+    dl, dg, scale, _, _ = compare(
         model, samples, branches, LossConfig("ppo_clip", 0.2, 0.28), 4096, min_version=vmax
     )
-    assert dl <= 1e-12 and dg <= 1e-12
+    assert dl <= 1e-12 and dg <= 1e-12 and scale > 1e-3
 
 
 def test_ancestor_mask_reaches_attention():
@@ -231,7 +236,7 @@ def test_ancestor_mask_reaches_attention():
         TitoRecord("run", "s", "a", 0, None, 0, [1, 2, 3], [4, 5], [-1.0, -1.0], 0),
         TitoRecord("run", "s", "b", 1, "a", 3, [6, 7], [8, 9], [-1.0, -1.0], 0),
     ]
-    (smp,) = build_samples(build_trees(recs), {"s": 1.0}, estimator="reward")
+    (smp,) = build_samples(build_trees(recs), {"s": 1.0}, advantage="reward")
     (p,) = pack([smp], 64)
     sel = np.flatnonzero(p.parent_idx >= 0)
     with torch.no_grad():
@@ -330,3 +335,64 @@ def test_trainer_other_losses_and_stale_tokens(model_dir, loss):
     assert m["train/staleness_mean"] >= 2
     empty = tr.step([])  # nothing to train: no update, no crash
     assert empty["train/tokens"] == 0 and empty["train/grad_norm"] == 0
+
+
+def test_clip_fraction_uses_the_symmetric_range_for_grpo(model_dir):
+    """Every weighted token at ratio 1.25: inside PPO's [0.8, 1.28], outside GRPO's [0.8, 1.2]."""
+    sessions = [session(30 + i, f"s{i}") for i in range(2)]
+    trees = build_trees(
+        [r for rs, _ in sessions for r in rs],
+        spans={k: v for _, sp in sessions for k, v in sp.items()},
+    )
+    samples = build_samples(trees, {"s0": 1.0, "s1": 0.5}, advantage="reward")  # A > 0
+    tr = Trainer(str(model_dir), max_tokens_per_micro=4096)
+    with torch.no_grad():
+        for s in samples:
+            (p,) = pack([s], 4096)
+            sel = np.flatnonzero(p.counts > 0)
+            s.behaviour_logprobs[sel] = packed_logprobs(tr.model, p, sel).double().numpy() - np.log(
+                1.25
+            )
+    for loss, want in (("ppo_clip", 0.0), ("grpo", 1.0)):
+        m = tree_loss_and_grads(
+            tr.model,
+            samples,
+            cfg=LossConfig(loss, 0.2, 0.28),
+            normalizer=1.0,
+            backward=False,
+        )
+        assert m["clip_fraction"] == pytest.approx(want), loss
+
+
+def zero_advantage_samples():
+    sessions = [session(40 + i, f"s{i}") for i in range(2)]
+    recs = [r for rs, _ in sessions for r in rs]
+    spans = {k: v for _, sp in sessions for k, v in sp.items()}
+    trees = build_trees(recs, spans=spans)
+    samples = build_samples(trees, {"s0": 0.0, "s1": 0.0}, advantage="reward")
+    assert all(not s.weight_pos.any() and not s.weight_neg.any() for s in samples)
+    assert all(s.counts.sum() > 0 for s in samples)
+    return samples
+
+
+def test_kl_term_pulls_the_policy_toward_the_reference(model_dir, tmp_path):
+    """No advantage at all: only the k3 KL to a different reference moves the policy, and
+    the KL it reports falls step by step."""
+    ref = tmp_path / "ref"
+    tiny_model(torch.float32, seed=5).save_pretrained(ref)
+    samples = zero_advantage_samples()
+    tr = Trainer(str(model_dir), lr=1e-2, kl_coef=1.0, ref_model_dir=str(ref))
+    kls = [tr.step(samples)["train/kl"] for _ in range(6)]
+    assert kls[0] > 0.05 and kls[-1] < 0.7 * kls[0], kls
+    still = Trainer(str(model_dir), lr=1e-2)  # no KL term: nothing to learn here
+    m = still.step(samples)
+    assert m["train/kl"] == 0.0 and m["train/grad_norm"] == 0.0
+    with pytest.raises(ValueError, match="ref_model_dir"):
+        Trainer.load(tr.save(str(tmp_path / "v6")), kl_coef=1.0)
+
+
+def test_entropy_bonus_raises_the_entropy(model_dir):
+    samples = zero_advantage_samples()
+    tr = Trainer(str(model_dir), lr=1e-2, entropy_coef=1.0)
+    ents = [tr.step(samples)["train/entropy"] for _ in range(6)]
+    assert ents[-1] > ents[0] + 0.05, ents

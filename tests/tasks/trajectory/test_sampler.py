@@ -8,7 +8,14 @@ import pytest
 
 from storage.schemas import SAMPLES_SCHEMA
 from storage.tito import TitoRecord
-from tasks.trajectory.sampler import Sample, SamplingError, build_samples, group_advantages
+from tasks.trajectory.sampler import (
+    Sample,
+    SamplingError,
+    ScoreLocationError,
+    build_samples,
+    group_advantages,
+    zero_variance_groups,
+)
 from tasks.trajectory.scoring import Score
 from tasks.trajectory.synth import random_session, reference_paths
 from tasks.trajectory.tree import POLICY, TrajectoryTree, build_trees
@@ -37,7 +44,7 @@ def as_dict(sample):
 
 
 def test_weights_by_hand_and_pruning():
-    (smp,) = build_samples([small_tree()], {"s": 0.5}, estimator="reward", run_id="run", step=3)
+    (smp,) = build_samples([small_tree()], {"s": 0.5}, advantage="reward", run_id="run", step=3)
     # token 9 (trailing harness input of d) trains nothing: pruned
     assert smp.token_ids.tolist() == [1, 2, 3, 4, 7, 8, 5, 6]
     assert smp.parent_idx.tolist() == [-1, 0, 1, 2, 3, 4, 1, 6]
@@ -65,7 +72,7 @@ def test_shared_prefix_weight_is_sum_over_branches_and_signs_split():
     t.add(rec("a", None, 0, [1], [2, 3]))
     t.add(rec("b", "a", 3, [4], [5]))
     t.add(rec("c", "a", 3, [6], [7]))
-    (pos,) = build_samples([t], {"s": 1.0}, estimator="reward")
+    (pos,) = build_samples([t], {"s": 1.0}, advantage="reward")
     assert as_dict(pos)[2] == (2.0, 0.0)  # two branches through a's output
     # GRPO: two rollouts of one task, rewards 1 and 0 -> advantages (1 - 0.5) / 0.5 = +1, -1
     t2 = TrajectoryTree("u")
@@ -87,12 +94,12 @@ def test_group_advantages():
 
 def test_staleness_drop_and_is():
     t = small_tree(versions=(0, 2, 2, 2))
-    (drop,) = build_samples([t], {"s": 1.0}, estimator="reward", current_version=3, max_staleness=1)
+    (drop,) = build_samples([t], {"s": 1.0}, advantage="reward", current_version=3, max_staleness=1)
     w = as_dict(drop)
     assert w[3] == (0, 0) and w[4] == (0, 0) and w[5] == (1, 0) and w[8] == (1, 0)
     assert drop.n_flat_trainable == 2 + 1
     (keep,) = build_samples(
-        [t], {"s": 1.0}, estimator="reward", current_version=3, max_staleness=1, stale_mode="is"
+        [t], {"s": 1.0}, advantage="reward", current_version=3, max_staleness=1, stale_policy="is"
     )
     assert as_dict(keep)[3] == (1, 0) and keep.versions[2] == 0
     with pytest.raises(SamplingError, match="current_version"):
@@ -113,7 +120,7 @@ def test_per_subtask_credit_follows_the_branch():
         [t, u],
         {"s": 0.5, "u": 0.5},
         {"s": "g", "u": "g"},
-        estimator="per_subtask",
+        advantage="per_subtask",
         scores=scores,
         normalize_std=False,
     )
@@ -129,15 +136,21 @@ def test_sub_agent_tree_takes_its_root_reward():
     a, _ = random_session(np.random.default_rng(0), n_calls=3, session_id="main")
     b, _ = random_session(np.random.default_rng(1), n_calls=3, session_id="sub")
     trees = build_trees(a + b, session_parents={"sub": "main"})
-    smps = build_samples(trees, {"main": 1.0}, estimator="reward")
+    smps = build_samples(trees, {"main": 1.0}, advantage="reward")
     assert {s.session_id: s.reward for s in smps} == {"main": 1.0, "sub": 1.0}
-    assert all(s.weight_neg.min() == 0 for s in smps)
     with pytest.raises(SamplingError, match="no reward"):
         build_samples(trees, {"other": 1.0})
+    # GRPO: the sub-agent's tokens carry its rollout's (here negative) advantage, not 0
+    c, _ = random_session(np.random.default_rng(2), n_calls=2, session_id="peer")
+    trees = build_trees(a + b + c, session_parents={"sub": "main"})
+    smps = build_samples(trees, {"main": 0.0, "peer": 1.0}, dict.fromkeys(["main", "peer"], "g"))
+    sub = next(s for s in smps if s.session_id == "sub")
+    w = sub.weight_neg[sub.counts > 0] / sub.counts[sub.counts > 0]
+    assert w.size and np.allclose(w, -0.5 / (0.5 + 1e-6), rtol=1e-12) and not sub.weight_pos.any()
 
 
 def test_rows_round_trip_through_schema():
-    (smp,) = build_samples([small_tree()], {"s": 0.25}, estimator="reward", run_id="run")
+    (smp,) = build_samples([small_tree()], {"s": 0.25}, advantage="reward", run_id="run")
     table = pa.Table.from_pylist([smp.to_row()], schema=SAMPLES_SCHEMA)
     back = Sample.from_row(table.to_pylist()[0])
     for f in ("token_ids", "parent_idx", "positions", "weight_pos", "weight_neg", "versions"):
@@ -154,7 +167,7 @@ def test_weights_match_per_branch_reference(seed):
     )
     tree = TrajectoryTree("s0")
     tree.extend(recs, spans)
-    (smp,) = build_samples([tree], {"s0": 0.7}, estimator="reward", prune=False)
+    (smp,) = build_samples([tree], {"s0": 0.7}, advantage="reward", prune=False)
     ref = reference_paths(recs, spans)
     ft = tree.flatten()
     want = np.zeros(ft.n_tokens)
@@ -190,7 +203,7 @@ def test_weights_match_per_branch_reference(seed):
 
 
 def test_flat_layout_is_one_chain_per_branch():
-    flat = build_samples([small_tree()], {"s": 0.5}, estimator="reward", layout="flat")
+    flat = build_samples([small_tree()], {"s": 0.5}, advantage="reward", layout="flat")
     got = {
         s.sample_id.rsplit("/", 1)[1]: (s.token_ids.tolist(), s.weight_pos.tolist()) for s in flat
     }
@@ -199,6 +212,100 @@ def test_flat_layout_is_one_chain_per_branch():
         "d": ([1, 2, 3, 4, 7, 8], [0, 0, 0.5, 0.5, 0, 0.5]),  # trailing 9 cut
     }
     assert all(np.array_equal(s.parent_idx, np.arange(s.n_tokens) - 1) for s in flat)
-    (tree,) = build_samples([small_tree()], {"s": 0.5}, estimator="reward")
+    (tree,) = build_samples([small_tree()], {"s": 0.5}, advantage="reward")
     assert sum(s.n_flat_trainable for s in flat) == tree.n_flat_trainable
     assert sum(s.n_flat_tokens for s in flat) == tree.n_flat_tokens
+
+
+def test_zero_variance_groups_are_dropped_and_listed():
+    """Equal rewards (and a group of one) carry no signal: no samples, out of the normaliser."""
+    trees = [small_tree(sid) for sid in ("a", "b", "c", "d", "e")]
+    rewards = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 0.3}
+    groups = {"a": "flat", "b": "flat", "c": "live", "d": "live", "e": "alone"}
+    assert zero_variance_groups(rewards, groups) == ["flat", "alone"]
+    assert zero_variance_groups(rewards, groups, advantage="reward") == []
+    kept = build_samples(trees, rewards, groups)
+    assert sorted(s.session_id for s in kept) == ["c", "d"]
+    everything = build_samples(trees, rewards, groups, filter_zero_variance=False)
+    assert len(everything) == 5
+    flat = [s for s in everything if s.group_id in ("flat", "alone")]
+    assert all(not s.weight_pos.any() and not s.weight_neg.any() for s in flat)
+    assert all(s.n_flat_trainable > 0 for s in flat)  # they would have diluted the mean
+    # equal rewards that do not average exactly still give exactly 0
+    assert set(
+        group_advantages({"x": 0.1, "y": 0.1, "z": 0.1}, dict.fromkeys("xyz", "g")).values()
+    ) == {0.0}
+
+
+def retry_tree(first: float, second: float, session="s"):
+    """Call a answers sub-task t1 (score ``first``); call b retries from a's input (a branch)
+    and answers it again (``second``)."""
+    t = TrajectoryTree(session)
+    t.add(rec("a", None, 0, [1, 2], [3, 4], session=session))
+    t.add(rec("b", "a", 2, [], [5, 6], seq=1, session=session))
+    scores = [
+        Score("run", session, "t1", first, 1.0, "a"),
+        Score("run", session, "t1", second, 1.0, "b"),
+    ]
+    return t, scores
+
+
+@pytest.mark.parametrize(("first", "second"), [(0.0, 1.0), (1.0, 0.0), (0.5, 1.0)])
+def test_a_worse_retry_gets_a_lower_advantage_than_the_branch_that_succeeded(first, second):
+    t, scores = retry_tree(first, second)
+    u = TrajectoryTree("u")
+    u.add(rec("x", None, 0, [1], [2], session="u"))
+    scores.append(Score("run", "u", "t1", 1.0, 1.0, "x"))
+    smps = build_samples(
+        [t, u], {"s": 0.5, "u": 1.0}, {"s": "g", "u": "g"}, advantage="per_subtask", scores=scores
+    )
+    w = as_dict(next(s for s in smps if s.session_id == "s"))
+    adv_a, adv_b = sum(w[3]), sum(w[5])  # a's and b's own output tokens
+    worse, better = (adv_a, adv_b) if first < second else (adv_b, adv_a)
+    assert worse < better and worse < 0
+    # by hand: attempts of t1 in the group are [first, second, 1.0] (all of them)
+    x = np.array([first, second, 1.0])
+    norm = (x - x.mean()) / (x.std() + 1e-6)
+    assert (adv_a, adv_b) == pytest.approx((norm[0], norm[1]))
+
+
+def test_per_subtask_normalises_by_the_group_std_unless_told_not_to():
+    trees = [TrajectoryTree(sid) for sid in "abc"]
+    for i, t in enumerate(trees):
+        t.add(rec("r", None, 0, [1], [2 + i], session=t.session_id))
+    scores = [
+        Score("run", sid, "t", sc, 1.0, "r") for sid, sc in zip("abc", (1.0, 0.0, 0.0), strict=True)
+    ]
+    rewards, groups = dict.fromkeys("abc", 0.0), dict.fromkeys("abc", "g")
+
+    def adv(**kw):
+        smps = build_samples(trees, rewards, groups, advantage="per_subtask", scores=scores, **kw)
+        return {s.session_id: sum(as_dict(s)[2 + "abc".index(s.session_id)]) for s in smps}
+
+    std = np.std([1.0, 0.0, 0.0])
+    assert adv() == pytest.approx(
+        {"a": (2 / 3) / (std + 1e-6), "b": (-1 / 3) / (std + 1e-6), "c": (-1 / 3) / (std + 1e-6)}
+    )
+    assert adv(normalize_std=False) == pytest.approx({"a": 2 / 3, "b": -1 / 3, "c": -1 / 3})
+
+
+def test_a_score_at_a_request_outside_the_tree_is_refused():
+    t, scores = retry_tree(1.0, 0.0)
+    bad = [*scores, Score("run", "s", "t2", 1.0, 1.0, "not-a-call")]
+    with pytest.raises(ScoreLocationError, match="not-a-call"):
+        build_samples([t], {"s": 1.0}, advantage="per_subtask", scores=bad)
+    assert issubclass(ScoreLocationError, SamplingError)
+    # a rollout with no calls cannot have earned anything at a call either
+    orphan = [Score("run", "gone", "t1", 1.0, 1.0, "r1")]
+    with pytest.raises(ScoreLocationError, match="gone"):
+        build_samples([t], {"s": 1.0, "gone": 0.0}, advantage="per_subtask", scores=scores + orphan)
+
+
+def test_a_policy_token_at_the_root_is_context_not_a_target():
+    """A call with an empty input: its first output token has nothing to be predicted from."""
+    t = TrajectoryTree("s")
+    t.add(rec("a", None, 0, [], [3, 4, 5]))
+    (smp,) = build_samples([t], {"s": 1.0}, advantage="reward")
+    assert smp.token_ids.tolist() == [3, 4, 5]
+    assert smp.weight_pos.tolist() == [0.0, 1.0, 1.0] and smp.counts.tolist() == [0, 1, 1]
+    assert smp.n_flat_trainable == 2

@@ -17,6 +17,7 @@ from tasks.trajectory.tree import (
     TreeError,
     build_trees,
     root_session,
+    session_parents,
 )
 
 
@@ -78,6 +79,17 @@ def test_same_tokens_other_provenance_or_version_do_not_share_a_node():
     assert prov.tolist() == [HARNESS] * 4
     assert len(t.node_rows()) == 4
     assert sorted(t.leaves()) == ["a", "b", "c"]
+
+
+def test_a_newer_policy_regenerating_the_rest_of_an_output_is_its_own_branch():
+    """Branching inside an output: the same continuation from a newer policy version is a
+    new node (its version and logprobs are its own), not a walk along the old one."""
+    t = TrajectoryTree("s")
+    t.add(rec("a", None, 0, [1, 2], [3, 4, 5], v=0))
+    t.add(TitoRecord("run", "s", "d", 1, "a", 3, [], [4, 5], [-0.5, -0.25], 1))
+    _, ver, lp = t.path_provenance("d")
+    assert ver.tolist() == [-1, -1, 0, 1, 1] and lp[3:].tolist() == [-0.5, -0.25]
+    assert sorted(t.leaves()) == ["a", "d"]
 
 
 def test_exact_duplicate_shares_the_path_and_counts_once():
@@ -175,8 +187,14 @@ def test_build_trees_links_sub_agent_sessions():
         trees["sub"].parent_session_id == "main"
         and trees["sub"].parent_request_id == a[1].request_id
     )
-    assert root_session(trees, "subsub") == "main"
+    assert root_session(session_parents(trees), "subsub") == "main"
     assert len(trees["main"]) == 4
+
+
+def test_root_session_refuses_a_cycle():
+    assert root_session({"c": "b", "b": "a", "a": None}, "c") == "a"
+    with pytest.raises(TreeError, match="cycle"):
+        root_session({"a": "b", "b": "a"}, "a")
 
 
 def test_long_rollout_builds_fast_and_exact():

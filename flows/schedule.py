@@ -1,0 +1,274 @@
+"""The scheduling flow: the run's loop, driven by the same Coordinator as the simulator.
+
+    events  ->  Coordinator.handle(event)           (pure: tasks/sched/)
+    Tick    ->  decisions  ->  Executor.apply(d)    (one door: infra/cells/executor.py)
+
+Decisions start rollouts (a Prefect task per group, harnesses on harness slots), move cells
+between roles (Dask resources, gateway withdrawal with KV moves, parked engines, the DP
+group), load weights and start data-parallel steps (a Prefect task per member). Finished
+groups stream to processing as they end; in ``async`` and ``elastic`` there is no step
+barrier. The flow ends after ``train.steps`` optimizer steps, stops the rollouts still
+running (cooperatively, through a distributed Event) and writes the role timeline and the
+utilisation table as files and Prefect artifacts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import dask
+from distributed import Event as DaskEvent
+from prefect import flow
+from prefect.logging import get_run_logger
+from tqdm import tqdm
+
+from flows import live
+from flows.config import RunConfig
+from flows.report import write_report
+from infra.cells.executor import EngineSpec, Executor
+from storage.store import Store
+from tasks.handles import GroupSpec
+from tasks.process import process_group
+from tasks.rollout import rollout_group
+from tasks.sched.config import build_policy, group_shape
+from tasks.sched.coordinator import (
+    Coordinator,
+    Decision,
+    LoadWeights,
+    Move,
+    SchedState,
+    StartRollouts,
+    StartStep,
+    Tick,
+)
+from tasks.train.dp import StepPlan
+from tasks.train_step import train_member
+
+log = logging.getLogger(__name__)
+
+CLOCK_SKEW_NS = 300 * 10**9
+
+
+class _Job:
+    """A Prefect future on Dask, seen through the executor's ``Job`` verbs."""
+
+    def __init__(self, future):
+        self.future = future
+        self._dask = future.wrapped_future
+
+    def done(self) -> bool:
+        return self._dask.done()
+
+    def result(self) -> Any:
+        return self.future.result()
+
+    def add_done_callback(self, fn) -> None:
+        self._dask.add_done_callback(lambda _f: fn())
+
+
+class PrefectWork:
+    """The executor's ``Work`` port: units of work as Prefect tasks on the cells."""
+
+    def __init__(self, run_id: str, cfg: RunConfig, store: Store, gateway, stop_event: str):
+        self.run_id, self.cfg, self.store = run_id, cfg, store
+        self.gateway = gateway
+        self.stop_event = stop_event
+        self.total = cfg.train.steps * cfg.rollout.groups_per_step
+        self.since: dict[int, int] = {}
+
+    def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
+        r = self.cfg.rollout
+        n, env_s, env_sigma = group_shape(
+            self.cfg.scheduler.pacing, r.subtasks, index, self.total, self.cfg.scheduler.seed
+        )
+        return GroupSpec(
+            index=index,
+            group_id=f"g{index}",
+            task_seed=r.seed * 1_000_003 + index * 1009,
+            subtasks=n,
+            step=index // r.groups_per_step,
+            env_step_s=env_s,
+            env_step_sigma=env_sigma,
+            cell_id=cell_id,
+        )
+
+    def rollout(self, index: int, cell_id: str) -> _Job:
+        self.since[index] = time.time_ns() - CLOCK_SKEW_NS
+        with dask.annotate(resources={"harness": 1}):
+            fut = rollout_group.submit(
+                self.gateway.url,
+                self.gateway.admin_token,
+                self.store,
+                self.run_id,
+                self.spec(index, cell_id),
+                self.cfg.rollout,
+                self.stop_event,
+            )
+        return _Job(fut)
+
+    def process(self, index: int, sessions, version: int) -> _Job:
+        step = index // self.cfg.rollout.groups_per_step
+        fut = process_group.submit(
+            self.store,
+            self.run_id,
+            index,
+            step,
+            sessions,
+            version,
+            self.cfg.train,
+            self.since.pop(index, None),
+        )
+        return _Job(fut)
+
+    def step(self, plan: StepPlan) -> list[_Job]:
+        s = self.cfg.scheduler
+        jobs = []
+        for rank, addr in enumerate(self.addresses(plan.members)):
+            with dask.annotate(resources={"train": 1}, workers=[addr], allow_other_workers=False):
+                fut = train_member.submit(
+                    self.store,
+                    self.run_id,
+                    plan,
+                    rank,
+                    self.cfg.train,
+                    s.pacing.train_s_per_token,
+                    s.step_timeout_s,
+                    s.dp_backend,
+                    s.mode,
+                )
+            jobs.append(_Job(fut))
+        return jobs
+
+    def addresses(self, cell_ids: tuple[str, ...]) -> list[str]:
+        return [self.by_cell_id[c] for c in cell_ids]
+
+
+def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
+    """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows)."""
+    sc = cfg.scheduler
+    oldest = min((v.version for v in s.versions), default=s.version)
+    base = (
+        f"{sc.mode}: {s.water_level} groups buffered, {s.in_flight} in flight "
+        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{s.version}, "
+        f"step {'running' if s.step_running else 'idle'}, "
+        f"{s.count('rollout')} rollout / {s.count('train')} train cells, "
+        f"marks {sc.low_mark:g}/{sc.high_mark:g}s"
+    )
+    if isinstance(d, Move):
+        return f"move to {d.to} ({sum(n for _, n in d.reroute)} groups rerouted); {base}"
+    if isinstance(d, LoadWeights):
+        return f"load v{d.version}; {base}"
+    if isinstance(d, StartStep):
+        return f"step on {d.samples} groups over {len(d.cells)} member(s); {base}"
+    return base
+
+
+@flow(name="schedule", flow_run_name="{run_id}-schedule")
+def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> dict[str, Any]:
+    """Events -> Coordinator -> decisions -> Executor, until ``train.steps`` steps are done."""
+    logger = get_run_logger()
+    cells, gateway, model_dir = live.lookup(run_id)
+    sc, r = cfg.scheduler, cfg.rollout
+    n_cells = len(cells.roles)
+    policy = build_policy(
+        sc,
+        n_cells=n_cells,
+        rollout_cells=cfg.cluster.rollout_cells,
+        batch=r.groups_per_step,
+        max_lag=cfg.train.max_staleness,
+        timeout_s=r.timeout_s,
+    )
+    coord = Coordinator(policy, n_cells, sc.groups_per_cell)
+    stop_event = f"gyre-stop-{run_id}"
+    work = PrefectWork(run_id, cfg, store, gateway, stop_event)
+    engine = EngineSpec(
+        model_dir=model_dir,
+        max_batch_size=cfg.model.max_batch_size,
+        kv_cache_tokens=cfg.model.kv_cache_tokens,
+        audit_dir=cfg.model.audit_dir,
+        decode_step_s=sc.pacing.decode_step_s,
+        prefill_tokens_per_s=sc.pacing.prefill_tokens_per_s,
+    )
+    ex = Executor(
+        cells,
+        gateway,
+        store,
+        run_id,
+        work,
+        engine,
+        version=start_version,
+        drain_timeout_s=sc.drain_timeout_s,
+        step_timeout_s=sc.step_timeout_s,
+        shuffle_buffer=sc.shuffle_buffer,
+        seed=sc.seed,
+    )
+    work.by_cell_id = {ex.cell_id(i): a for i, a in enumerate(ex.addrs)}
+    roles = coord.state().cells
+    ex.start(tuple(c.role for c in roles), f"{sc.mode}: initial roles")
+    logger.info(
+        "%s: %d cells (%s), %d groups of %d per step, up to %d groups per rollout cell",
+        sc.mode,
+        n_cells,
+        ", ".join(f"{ex.cell_id(i)}={c.role}" for i, c in enumerate(roles)),
+        r.groups_per_step,
+        r.group_size,
+        sc.groups_per_cell,
+    )
+    DaskEvent(stop_event).clear()
+    bar = tqdm(total=cfg.train.steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
+    t0 = time.monotonic()
+    decisions = 0
+    try:
+        while True:
+            for ev in ex.events(timeout=sc.tick_s):
+                coord.handle(ev)
+            if ex.stats.steps >= cfg.train.steps:
+                break
+            state = coord.state()
+            for d in coord.handle(Tick(time.monotonic() - t0)):
+                if not isinstance(d, StartRollouts):
+                    decisions += 1
+                ex.apply(d, explain(d, state, cfg))
+            if bar.n != ex.stats.steps:
+                bar.update(ex.stats.steps - bar.n)
+                s = coord.state()
+                bar.set_postfix_str(
+                    f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
+                    f"{s.count('rollout')}R/{s.count('train')}T"
+                )
+    finally:
+        bar.close()
+        DaskEvent(stop_event).set()
+        _drain(ex, cfg, logger)
+        ex.close()
+    seconds = time.monotonic() - t0
+    report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
+    logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])
+    return {
+        "weight_version": ex.version,
+        "seconds": seconds,
+        "stats": ex.stats,
+        "decisions": decisions,
+        "report": report,
+        "last_step": getattr(ex, "last_step", None),
+        "trained_groups": [g.index for g in ex.groups.values() if g.phase == "trained"],
+    }
+
+
+def _drain(ex: Executor, cfg: RunConfig, logger) -> None:
+    """Wait (bounded) for the rollouts the stop event ends; what is left is reported."""
+    bound = cfg.scheduler.drain_timeout_s + cfg.rollout.timeout_s + 30
+    deadline = time.monotonic() + bound
+    jobs = [g.job for g in ex.groups.values() if g.job is not None]
+    while jobs and time.monotonic() < deadline:
+        jobs = [j for j in jobs if not j.done()]
+        time.sleep(0.2)
+    if jobs:
+        logger.warning(
+            "%d rollout/process tasks still running %.0fs after the stop event; leaving them",
+            len(jobs),
+            bound,
+        )

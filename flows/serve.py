@@ -1,0 +1,209 @@
+"""``gyre serve`` and ``gyre session new``: the gateway and an engine for a user's own harness.
+
+A served run is durable like a ``gyre run``: the gateway's write-ahead log and
+session-key journal live in a stable place per store and run id
+(``storage.paths.spool_dir``), so stopping the server (Ctrl-C, SIGTERM, or a crash)
+and starting it again on the same store replays every answered call into the store
+and keeps old session keys working. Each server leaves a record per port
+(``storage.paths.serve_records_dir()/<port>.json``, mode 0600, it holds the admin
+token); a live server's record is never overwritten, stale ones are cleaned up, and
+``gyre session new`` finds the one live server or asks which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from storage.paths import serve_records_dir, spool_dir
+
+DEFAULT_SERVE_RUN_ID = "serve"
+
+
+class ServeError(RuntimeError):
+    """A serve command cannot go on; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ServeRecord:
+    url: str
+    admin_token: str
+    store: str
+    run_id: str
+    pid: int
+    port: int
+
+    @property
+    def path(self) -> Path:
+        return serve_records_dir() / f"{self.port}.json"
+
+
+def _alive(rec: ServeRecord) -> bool:
+    try:
+        os.kill(rec.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: treat as alive
+        pass
+    try:
+        return httpx.get(f"{rec.url}/health", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def live_records() -> list[ServeRecord]:
+    """Records of servers that answer; records of dead ones are removed."""
+    out = []
+    for f in sorted(serve_records_dir().glob("*.json")):
+        try:
+            rec = ServeRecord(**json.loads(f.read_text()))
+        except (OSError, ValueError, TypeError):
+            f.unlink(missing_ok=True)
+            continue
+        if _alive(rec):
+            out.append(rec)
+        else:
+            f.unlink(missing_ok=True)
+    return out
+
+
+def _write_record(rec: ServeRecord) -> None:
+    rec.path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(rec.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(asdict(rec), fh)
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM both end the server cleanly, also when a non-interactive shell
+    started it in the background with SIGINT ignored (``gyre serve &``)."""
+    stop = threading.Event()
+
+    def handler(signum, frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _check_port_free(port: int) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ServeError(
+                f"port {port} is in use ({exc.strerror}); pick another --port"
+            ) from exc
+
+
+def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> int:
+    import secrets
+
+    from infra.engine.engine import Engine
+    from infra.engine.server import EngineServer
+    from infra.engine.tiny_model import make_tiny_model
+    from infra.gateway.gateway import Gateway
+    from storage.store import Store
+
+    stop = _stop_on_signals()
+    run_id = run_id or DEFAULT_SERVE_RUN_ID
+    store = Store(store_url)
+    for rec in live_records():
+        if rec.port == port:
+            raise ServeError(
+                f"a gyre serve already answers at {rec.url} (pid {rec.pid}, store {rec.store}); "
+                "stop it or pick another --port"
+            )
+    _check_port_free(port)
+
+    model_dir = model or make_tiny_model()
+    engine = Engine(model_dir, cell_id="serve")
+    server = EngineServer(engine)
+    token = secrets.token_urlsafe(24)
+    spool = spool_dir(store.url, run_id)
+    gw = Gateway(
+        store,
+        run_id=run_id,
+        tokenizer_dir=model_dir,
+        admin_token=token,
+        port=port,
+        spool_dir=str(spool),
+    )
+    rec = None
+    try:
+        engine_url = server.start()
+        url = gw.start()
+        gw.add_engine("serve", engine_url)
+        rec = ServeRecord(url, token, store.url, run_id, os.getpid(), port)
+        _write_record(rec)
+        print(f"gyre serve: model {model_dir}")
+        print(f"  base URL     {url}/v1   (OpenAI-compatible; native /generate at {url}/generate)")
+        print(f"  store        {store.url}  (run_id {run_id}; log of answered calls in {spool})")
+        print("  session key  gyre session new      (prints a session id and its API key)")
+        print(f'  inspect      gyre sql --store {store.url} "SELECT * FROM tito"')
+        print("Ctrl-C or SIGTERM to stop.", flush=True)
+        stop.wait()
+        print("gyre serve: stopping (flushing answered calls to the store)", flush=True)
+    finally:
+        if rec is not None:
+            rec.path.unlink(missing_ok=True)
+        gw.stop()
+        server.stop()
+    return 0
+
+
+def new_session(url: str | None, admin_token: str | None, port: int | None) -> dict:
+    """Mint a session on a running server: the one given, or the only live one."""
+    if url is None or admin_token is None:
+        recs = [r for r in live_records() if port is None or r.port == port]
+        if not recs:
+            raise ServeError(
+                "no running `gyre serve` found"
+                + (f" on port {port}" if port is not None else "")
+                + "; start one, or pass --url and --admin-token"
+            )
+        if len(recs) > 1:
+            listed = ", ".join(f"{r.url} (store {r.store})" for r in recs)
+            raise ServeError(f"several `gyre serve` are running: {listed}; pass --port")
+        url, admin_token = url or recs[0].url, admin_token or recs[0].admin_token
+    try:
+        r = httpx.post(
+            f"{url}/gyre/sessions",
+            json={},
+            timeout=30,
+            headers={"Authorization": f"Bearer {admin_token}"},
+        )
+    except httpx.HTTPError as exc:
+        raise ServeError(f"the gateway at {url} does not answer ({exc}); is it running?") from exc
+    if r.status_code != 200:
+        raise ServeError(f"the gateway at {url} refused: {r.status_code} {r.text}")
+    body = r.json()
+    return {"session_id": body["session_id"], "api_key": body["api_key"], "base_url": f"{url}/v1"}
+
+
+def main_serve(args) -> int:
+    try:
+        return serve(args.model, args.store, args.port, args.run_id)
+    except ServeError as exc:
+        print(f"gyre serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def main_session(args) -> int:
+    try:
+        print(json.dumps(new_session(args.url, args.admin_token, args.port), indent=2))
+    except ServeError as exc:
+        print(f"gyre session new: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,41 @@
+"""Settings of the cells (the `cluster` section of a run config)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# what dask's parse_bytes reads: "6GiB", "512 MB", "2e9", "auto"; 0 = no limit
+_MEMORY = re.compile(r"^(auto|0|\d+(\.\d+)?(e\d+)?\s*([kKMGTP]i?B|B)?)$")
+_ADDRESS = re.compile(r"^(tcp|tls|ucx|ws|wss)://[A-Za-z0-9.\-_\[\]:]+:\d{1,5}$")
+
+
+class ClusterConfig(BaseModel):
+    """Dask cells: one worker process per cell (a LocalCluster unless an address is given)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    rollout_cells: int = Field(1, ge=1, description="cells holding an engine")
+    train_cells: int = Field(1, ge=1, description="cells holding a trainer replica")
+    threads_per_cell: int = Field(2, ge=1)
+    memory_limit: str = Field(
+        "6GiB", description="per cell, as dask reads it: 6GiB, 512MB, auto, or 0 for no limit"
+    )
+    scheduler_address: str | None = Field(
+        None, description="tcp://host:8786 of an external `dask scheduler`; None = LocalCluster"
+    )
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory(cls, v: str) -> str:
+        if not _MEMORY.match(v.strip()):
+            raise ValueError("not a size: write it like 6GiB, 512MB, auto, or 0 (no limit)")
+        return v.strip()
+
+    @field_validator("scheduler_address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not _ADDRESS.match(v.strip()):
+            raise ValueError("not a scheduler address: write it like tcp://host:8786")
+        return v.strip() if v else v

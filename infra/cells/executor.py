@@ -1,0 +1,502 @@
+"""The one door through which scheduling decisions reach the cells.
+
+The coordinator (tasks/sched/coordinator.py) decides; this executor carries each decision
+out on the real machinery and reports back with events, like the simulator does in
+simulation (dask's adaptive core and worker state machine work the same way):
+
+- ``StartRollouts(cell, n)``: start ``n`` groups (Prefect tasks, through the ``Work`` port);
+  a finished group is processed, its samples go to the buffer, then ``RolloutFinished``.
+- ``Move(cell, "train")``: the cell's Dask resources go to none (no new rollout work), the
+  gateway withdraws its engine at the next call boundary of each session (in-flight calls
+  finish; the sessions' next calls go to other cells with their KV moved, or re-prefilled,
+  counted), the engine is parked (KV freed), the cell takes the ``train`` resource and
+  joins the next step's data-parallel group; then ``MoveDone``.
+- ``Move(cell, "rollout")`` (between optimizer steps): the cell leaves the DP group, its
+  engine (parked, or started) loads the newest weights *before* the gateway routes to it,
+  then it takes the ``rollout`` resource; then ``MoveDone``.
+- ``LoadWeights(cell, v)``: the engine loads checkpoint ``v`` (calls in flight continue
+  after a transparent resubmit); then ``WeightsLoaded``.
+- ``StartStep(cells, n)``: ``n`` buffered groups, one data-parallel step over ``cells``
+  (a new DP generation whenever the members changed); then ``StepFinished``.
+
+Control-plane actions run on a small thread pool so the loop never blocks on a drain or a
+weight load; units of work are started on the caller's thread (Prefect submits need the
+flow's context). Every decision and role change is appended to the ``cells`` dataset with
+its reason; every wait has a bound and its error names what it waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from infra.cells.cluster import Cells
+from infra.cells.engines import engine_stats, load_weights, park_engine, start_engine
+from storage.store import Store
+from tasks.sched.coordinator import (
+    Decision,
+    Event,
+    LoadWeights,
+    Move,
+    MoveDone,
+    RolloutFinished,
+    StartRollouts,
+    StartStep,
+    StepFinished,
+    WeightsLoaded,
+)
+from tasks.train.dp import StepPlan, host_store
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorError(RuntimeError):
+    """A decision could not be carried out (the message says which and what to check)."""
+
+
+class Job(Protocol):
+    """A unit of work in flight (a Prefect task on Dask, adapted by the flow)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> Any: ...
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None: ...
+
+
+class Work(Protocol):
+    """How the executor starts units of work; the flow implements it with Prefect tasks."""
+
+    def rollout(self, index: int, cell_id: str) -> Job: ...
+
+    def process(self, index: int, sessions: Any, version: int) -> Job: ...
+
+    def step(self, plan: StepPlan) -> list[Job]: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How a cell's engine is started (the ``model`` section and the pacing)."""
+
+    model_dir: str
+    max_batch_size: int = 16
+    kv_cache_tokens: int = 262_144
+    audit_dir: str | None = None
+    decode_step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+
+@dataclass
+class Group:
+    """One rollout group the executor started: where it is booked, what it has become."""
+
+    index: int
+    cell: int  # the logical cell (the coordinator's books, incl. reroutes)
+    t_start: float
+    phase: str = "rollout"  # rollout | process | buffered | trained
+    job: Job | None = None
+    sessions: Any = None
+    processed: Any = None  # ProcessedStep-like: samples_segment, sample_ids, n_samples
+    t_done: float = 0.0
+
+
+@dataclass
+class Stats:
+    """What the executor did, for the run summary and bench/modes.py."""
+
+    switches: int = 0
+    sessions_rerouted: int = 0
+    kv_moved: int = 0
+    kv_tokens: int = 0
+    reprefills: int = 0
+    aborted_inflight: int = 0
+    weight_loads: int = 0
+    steps: int = 0
+    groups_started: int = 0
+    groups_done: int = 0
+    switch_latency_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+
+
+class Executor:
+    """Carries out decisions on cells, the gateway, engines and the DP group."""
+
+    def __init__(
+        self,
+        cells: Cells,
+        gateway: Any,
+        store: Store,
+        run_id: str,
+        work: Work,
+        engine: EngineSpec,
+        *,
+        version: int = 0,
+        drain_timeout_s: float = 60.0,
+        step_timeout_s: float = 600.0,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        dp_host: str = "127.0.0.1",
+    ):
+        self.cells = cells
+        self.gateway = gateway
+        self.store = store
+        self.run_id = run_id
+        self.work = work
+        self.engine = engine
+        self.addrs = sorted(cells.roles)
+        self.version = version
+        self.drain_timeout_s = drain_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.shuffle_buffer = shuffle_buffer
+        self.rng = random.Random(seed)
+        self.stats = Stats()
+        self.roles: list[str] = ["idle"] * len(self.addrs)
+        self.engine_url: dict[int, str] = {}
+        self.engine_version: dict[int, int] = {}
+        self.routed: set[int] = set()  # cells whose engine the gateway routes to
+        self.groups: dict[int, Group] = {}
+        self.buffer: OrderedDict[int, Group] = OrderedDict()  # finished, untrained
+        self.held: list[int] = []  # finished, in the shuffle buffer (not yet reported)
+        self.next_index = 0
+        self.generation = -1
+        self.members: tuple[str, ...] = ()
+        self.dp_left = False  # a member left the DP group since the last step
+        self.step_jobs: list[Job] = []
+        self.step_plan: StepPlan | None = None
+        self.step_cells: tuple[int, ...] = ()
+        self.step_t0 = 0.0
+        self.t0 = time.time()
+        self.timeline: list[dict[str, Any]] = []  # role intervals and marks, for the report
+        self._q: queue.Queue = queue.Queue()
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(4, len(self.addrs)), thread_name_prefix="gyre-exec"
+        )
+        self._lock = threading.Lock()
+        self._dp_store, self.dp_port = host_store(dp_host, 0, timeout_s=step_timeout_s)
+        self.dp_host = dp_host
+
+    # -- naming and the record -------------------------------------------------------------
+    def cell_id(self, i: int) -> str:
+        return self.cells.cell_id(self.addrs[i])
+
+    def record(self, i: int, event: str, role: str, reason: str = "", detail: str = "") -> None:
+        """One row of the ``cells`` dataset (and of the run's role timeline)."""
+        now = time.time()
+        row = {
+            "run_id": self.run_id,
+            "cell_id": self.cell_id(i),
+            "event": event,
+            "role": role,
+            "weight_version": self.engine_version.get(i, -1) if role == "rollout" else self.version,
+            "t": now,
+            "detail": detail,
+            "reason": reason,
+        }
+        with self._lock:
+            self.timeline.append({"cell": i, "event": event, "role": role, "t": now - self.t0})
+        self.store.append("cells", [row])
+
+    # -- start and stop -----------------------------------------------------------------
+    def start(self, roles: tuple[str, ...], reason: str) -> None:
+        """Give every cell its initial role; rollout cells get an engine the gateway routes to."""
+        if len(roles) != len(self.addrs):
+            raise ExecutorError(f"{len(roles)} initial roles for {len(self.addrs)} cells")
+        futures = []
+        for i, role in enumerate(roles):
+            futures.append(self._pool.submit(self._join, i, role, reason))
+        for f in futures:
+            f.result(timeout=600)
+
+    def _join(self, i: int, role: str, reason: str) -> None:
+        if role == "rollout":
+            self.cells.set_role(self.addrs[i], "loading")
+            self._serve(i)
+        self.cells.set_role(self.addrs[i], role)
+        self.roles[i] = role
+        self.record(i, "join", role, reason, f"v{self.version}")
+
+    def close(self) -> None:
+        """Record every cell leaving; the pool stops (pending actions are bounded waits)."""
+        for i, role in enumerate(self.roles):
+            self.record(i, "leave", role, "run ended")
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._dp_store = None
+
+    # -- the door -------------------------------------------------------------------------
+    def apply(self, d: Decision, reason: str = "") -> None:
+        """Carry out one decision (returns at once; completion comes back as an event)."""
+        if isinstance(d, StartRollouts):
+            for _ in range(d.n):
+                self._start_group(d.cell)
+        elif isinstance(d, Move):
+            self._move(d, reason)
+        elif isinstance(d, LoadWeights):
+            self.record(d.cell, "decide", "rollout", reason, f"load v{d.version}")
+            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, d.version)
+        elif isinstance(d, StartStep):
+            self._start_step(d, reason)
+        else:  # pragma: no cover - the Decision union is closed
+            raise ExecutorError(f"unknown decision {d!r}")
+
+    def events(self, timeout: float) -> list[Event]:
+        """Events since the last call (waits up to ``timeout`` for the first one)."""
+        out: list[Event] = []
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return out
+        while True:
+            out += self._handle(item)
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return out
+
+    # -- rollouts -------------------------------------------------------------------------
+    def _start_group(self, cell: int) -> None:
+        idx = self.next_index
+        self.next_index += 1
+        g = Group(idx, cell, time.time())
+        self.groups[idx] = g
+        g.job = self.work.rollout(idx, self.cell_id(cell))
+        self.stats.groups_started += 1
+        g.job.add_done_callback(lambda idx=idx: self._q.put(("rollout", idx)))
+
+    def in_flight(self, cell: int | None = None) -> list[int]:
+        return sorted(
+            i
+            for i, g in self.groups.items()
+            if g.phase in ("rollout", "process", "held") and (cell is None or g.cell == cell)
+        )
+
+    def _handle(self, item: tuple) -> list[Event]:
+        kind = item[0]
+        if kind == "rollout":
+            g = self.groups[item[1]]
+            g.sessions = g.job.result()  # a failed task raises here: the run stops with it
+            for h in g.sessions:  # no KV moves for sessions that are over
+                self.gateway.end_session(h.session_id)
+            self.gateway.flush()  # every answered call is in the store before processing
+            g.phase = "process"
+            g.job = self.work.process(g.index, g.sessions, self.version)
+            g.job.add_done_callback(lambda idx=g.index: self._q.put(("processed", idx)))
+            return []
+        if kind == "processed":
+            g = self.groups[item[1]]
+            g.processed = g.job.result()
+            g.phase, g.job, g.t_done = "held", None, time.time()
+            self.held.append(g.index)
+            self.stats.groups_done += 1
+            return self._release()
+        if kind == "moved":
+            _, i, role, t_decided = item
+            self.roles[i] = role
+            self.stats.switch_latency_s.append(time.time() - t_decided)
+            return [MoveDone(i)]
+        if kind == "loaded":
+            _, i, v = item
+            return [WeightsLoaded(i, v)]
+        if kind == "member":
+            for j in self.step_jobs:
+                if j.done():
+                    j.result()  # a failed member stops the run now, not at the DP timeout
+            if self.step_jobs and all(j.done() for j in self.step_jobs):
+                return self._finish_step()
+            return []
+        if kind == "error":
+            _, what, exc = item
+            raise ExecutorError(f"{what} failed: {exc}") from exc
+        raise ExecutorError(f"unknown executor event {item!r}")  # pragma: no cover
+
+    def _release(self) -> list[Event]:
+        """Finished groups go to the coordinator's water level; with a shuffle buffer of
+        ``S`` they are held back and released in random order once more than ``S`` wait
+        (or when nothing else is running), which mixes sessions and time in the steps at
+        a bounded cost in lag (measured in ``ledger``)."""
+        out: list[Event] = []
+        running = any(g.phase in ("rollout", "process") for g in self.groups.values())
+        while self.held and (len(self.held) > self.shuffle_buffer or not running):
+            k = self.rng.randrange(len(self.held)) if self.shuffle_buffer else 0
+            g = self.groups[self.held.pop(k)]
+            g.phase = "buffered"
+            self.buffer[g.index] = g
+            v = getattr(g.processed, "version_min", -1)
+            out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
+        return out
+
+    # -- role changes ------------------------------------------------------------------
+    def _move(self, d: Move, reason: str) -> None:
+        i = d.cell
+        t = time.time()
+        self.stats.switches += 1
+        # mirror the coordinator's books: the cell's groups now belong to the reroute targets
+        targets = [c for c, n in d.reroute for _ in range(n)]
+        for idx, tgt in zip(self.in_flight(i), targets, strict=False):
+            self.groups[idx].cell = tgt
+        transit = "draining" if d.to == "train" else "loading"
+        self.roles[i] = transit
+        self.record(i, "decide", transit, reason, f"to {d.to}")
+        fn = self._to_train if d.to == "train" else self._to_rollout
+        self._pool.submit(self._guard, ("move", i), fn, i, t, reason)
+
+    def _guard(self, what: tuple, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("executor action %s failed", what)
+            self._q.put(("error", f"{what[0]} of cell {what[1]}", exc))
+
+    def _to_train(self, i: int, t_decided: float, reason: str) -> None:
+        addr = self.addrs[i]
+        self.cells.set_role(addr, "draining")
+        log.info(
+            "cell %s draining (%.2fs after the decision)", self.cell_id(i), time.time() - t_decided
+        )
+        out: dict[str, Any] = {}
+        if i in self.routed:
+            # the boundary: in-flight calls finish (bounded), then each session moves with its KV
+            out = self.gateway.remove_engine(self.cell_id(i), drain_timeout=self.drain_timeout_s)
+            self.routed.discard(i)
+            self.stats.sessions_rerouted += int(out.get("sessions_moved", 0))
+            self.stats.kv_moved += int(out.get("kv_moves", 0))
+            self.stats.kv_tokens += int(out.get("kv_tokens", 0))
+            self.stats.reprefills += int(out.get("reprefills", 0))
+            self.stats.aborted_inflight += int(out.get("aborted_inflight", 0))
+        log.info("cell %s withdrawn: %s", self.cell_id(i), out)
+        if i in self.engine_url:
+            self.cells.run_on(addr, park_engine)
+        self.cells.set_role(addr, "train")
+        detail = ", ".join(f"{k}={v}" for k, v in out.items() if k != "cell_id")
+        self.record(i, "role", "train", reason, detail)
+        self._q.put(("moved", i, "train", t_decided))
+
+    def _to_rollout(self, i: int, t_decided: float, reason: str) -> None:
+        addr = self.addrs[i]
+        self.cells.set_role(addr, "loading")
+        self.cells.run_on(addr, _leave_dp)
+        self.dp_left = True
+        self._serve(i)
+        self.cells.set_role(addr, "rollout")
+        self.record(i, "role", "rollout", reason, f"serving v{self.engine_version[i]}")
+        self._q.put(("moved", i, "rollout", t_decided))
+
+    def _serve(self, i: int) -> None:
+        """Start (or unpark) the cell's engine with the newest weights, then route to it."""
+        addr, e = self.addrs[i], self.engine
+        if i not in self.engine_url:
+            self.engine_url[i] = self.cells.run_on(
+                addr,
+                start_engine,
+                e.model_dir,
+                cell_id=self.cell_id(i),
+                weight_version=0,
+                max_batch_size=e.max_batch_size,
+                kv_cache_tokens=e.kv_cache_tokens,
+                audit_dir=e.audit_dir,
+                decode_step_s=e.decode_step_s,
+                prefill_tokens_per_s=e.prefill_tokens_per_s,
+            )
+            self.engine_version[i] = -1  # a parked engine may hold another run's weights
+        for _ in range(3):  # a step may publish while we load: the cell joins with the newest
+            v = self.version
+            if self.engine_version.get(i) == v:
+                break
+            self._load(i, v, report=False)
+        self.gateway.add_engine(self.cell_id(i), self.engine_url[i])
+        self.routed.add(i)
+
+    def _load(self, i: int, version: int, report: bool = True) -> None:
+        res = self.cells.run_on(self.addrs[i], load_weights, self.store, self.run_id, version)
+        if not res.get("success", False):
+            raise ExecutorError(f"cell {self.cell_id(i)} could not load v{version}: {res}")
+        self.engine_version[i] = version
+        self.stats.weight_loads += 1
+        if report:
+            self.record(i, "load_weights", "rollout", "", f"v{version}")
+            self._q.put(("loaded", i, version))
+
+    # -- training -----------------------------------------------------------------------
+    def _pick(self, d: StartStep) -> list[Group]:
+        """The buffered groups this step trains: those the coordinator names, else the
+        next ones in its order (start index, or release order)."""
+        if d.rollouts:
+            return [self.buffer[i] for i in d.rollouts]
+        cands = sorted(self.buffer) if d.order == "index" else list(self.buffer)
+        return [self.buffer[i] for i in cands[: d.samples]]
+
+    def _start_step(self, d: StartStep, reason: str) -> None:
+        if self.step_jobs:
+            raise ExecutorError("a step was started while another runs (one at a time)")
+        picked = self._pick(d)
+        if len(picked) != d.samples:
+            raise ExecutorError(
+                f"step needs {d.samples} finished groups, the buffer holds {len(self.buffer)}"
+            )
+        members = tuple(self.cell_id(i) for i in d.cells)
+        if members != self.members or self.dp_left:
+            # a new generation whenever the group changed: members joined, or some left
+            # (a cell that goes to rollout leaves its process group) even if they are back
+            self.generation += 1
+            self.members, self.dp_left = members, False
+        plan = StepPlan(
+            step=self.stats.steps,
+            version=self.version,
+            generation=self.generation,
+            host=self.dp_host,
+            port=self.dp_port,
+            members=members,
+            groups=tuple(g.index for g in picked),
+            segments=tuple(
+                g.processed.samples_segment for g in picked if g.processed.samples_segment
+            ),
+            shuffle_seed=self.rng.randrange(1 << 30),
+        )
+        for g in picked:
+            del self.buffer[g.index]
+            g.phase = "trained"
+        for i in d.cells:
+            self.record(i, "step", "train", reason, f"step {plan.step} gen {plan.generation}")
+        self.step_plan, self.step_cells, self.step_t0 = plan, tuple(d.cells), time.time()
+        self.step_jobs = self.work.step(plan)
+        for j in self.step_jobs:
+            j.add_done_callback(lambda: self._q.put(("member",)))
+
+    def _finish_step(self) -> list[Event]:
+        jobs, plan = self.step_jobs, self.step_plan
+        self.step_jobs, self.step_plan = [], None
+        results = [j.result() for j in jobs]  # a failed member raises: the run stops with it
+        versions = {r.weight_version for r in results}
+        if versions != {plan.version + 1}:
+            raise ExecutorError(f"step {plan.step}: members ended at versions {versions}")
+        self.version = plan.version + 1
+        for i in self.step_cells:
+            self.record(i, "step_done", "train", "", f"step {plan.step} -> v{self.version}")
+        self.stats.steps += 1
+        self.stats.step_s.append(time.time() - self.step_t0)
+        self.last_step = results[0]
+        return [StepFinished(self.step_cells)]
+
+    def engine_counters(self) -> dict[str, dict[str, Any]]:
+        """Each engine's counters (paced device time, decode steps), by cell id."""
+        out = {}
+        for i in sorted(self.engine_url):
+            try:
+                out[self.cell_id(i)] = self.cells.run_on(self.addrs[i], engine_stats)
+            except Exception as exc:  # best effort, for the report
+                out[self.cell_id(i)] = {"error": str(exc)}
+        return out
+
+
+def _leave_dp(plugin: Any) -> None:
+    """A cell that leaves training leaves its process group (the next step forms a new one)."""
+    if plugin.dp is not None:
+        plugin.dp.close()
+        plugin.dp = None

@@ -1,0 +1,4 @@
+from bank.account import Account
+from bank.errors import InsufficientFunds
+
+__all__ = ["Account", "InsufficientFunds"]

@@ -1,0 +1,3 @@
+from intervals.ops import contains, intersect, merge, total_length
+
+__all__ = ["contains", "intersect", "merge", "total_length"]

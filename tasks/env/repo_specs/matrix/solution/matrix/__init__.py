@@ -1,0 +1,3 @@
+from matrix.ops import add, det, identity, mul, transpose
+
+__all__ = ["add", "det", "identity", "mul", "transpose"]

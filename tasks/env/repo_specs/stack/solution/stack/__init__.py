@@ -1,0 +1,3 @@
+from stack.core import Stack, StackEmpty, StackFull
+
+__all__ = ["Stack", "StackEmpty", "StackFull"]

@@ -1,0 +1,3 @@
+from units.convert import UnitError, convert
+
+__all__ = ["UnitError", "convert"]

@@ -1,0 +1,65 @@
+"""Settings of processing and training (the `train` section of a run config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    """Advantages, staleness, the loss and the optimizer step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    steps: int = Field(2, ge=1, le=10_000_000, description="optimizer steps of the run")
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    loss: Literal["ppo_clip", "grpo"] = "ppo_clip"
+    advantage: Literal["grpo", "per_subtask"] = "grpo"
+    clip_eps_low: float = Field(0.2, ge=0, le=1)
+    clip_eps_high: float = Field(0.28, ge=0, le=10)
+    max_tokens_per_micro: int = Field(4096, ge=64)
+    max_staleness: int = Field(1, ge=0, description="policy versions a token may lag")
+    stale_policy: Literal["drop", "is"] = "drop"
+    is_cap: float = Field(2.0, gt=0)
+    reward_aggregation: Literal["weighted_mean", "sum", "min", "all_or_nothing"] = "weighted_mean"
+    seed: int = 0
+    normalize_std: bool = Field(
+        True,
+        description="divide group-centred advantages by the group's std (GRPO); "
+        "false keeps only the group baseline (Dr. GRPO)",
+    )
+    filter_zero_variance: bool = Field(
+        True,
+        description="drop groups whose advantages are all 0 (equal rewards): they carry no "
+        "signal and would only dilute the token-mean normaliser; counted as "
+        "train/zero_variance_groups",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the k3 KL estimate to the reference policy (the version-0 / "
+        "warm-start weights), per trained token; 0 turns it off",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the entropy bonus (entropy of the sampled-from distribution), "
+        "per trained token; 0 turns it off",
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        le=10.0,
+        description="temperature the trainer's log-probs use; must be the rollouts' sampling "
+        "temperature (the engine reports log-probs of the tempered distribution). None: "
+        "rollout.temperature (1.0 when rollouts are greedy)",
+    )
+    top_p: float | None = Field(
+        None,
+        gt=0,
+        le=1.0,
+        description="top-p the trainer's log-probs renormalise over; must be the rollouts' "
+        "top_p. None: rollout.top_p. Against a real SGLang server (which reports log-probs "
+        "before top-p) use 1.0",
+    )

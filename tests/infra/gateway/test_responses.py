@@ -1,0 +1,156 @@
+"""The OpenAI Responses API on the gateway: the official client and the openai-agents SDK's
+default model path, unmodified, against real engines; recorded as TITO like chat calls."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import openai
+import pytest
+
+from infra.engine.server import EngineServer
+from infra.engine.tiny_model import make_tiny_model
+from infra.gateway.gateway import Gateway
+from storage.store import Store
+from storage.tito import reconstruct_inputs
+from storage.tito_log import table_to_records
+from tests.infra.gateway.fixtures import ScriptedEngine
+
+pytestmark = pytest.mark.integration
+
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = ScriptedEngine(model_dir, cell_id="a")
+    srv = EngineServer(eng)
+    url = srv.start()
+    yield eng, url
+    srv.stop()
+    eng.close()
+
+
+@pytest.fixture
+def gw(tmp_path, engine, model_dir):
+    eng, url = engine
+    eng.replies.clear()
+    g = Gateway(
+        Store(str(tmp_path / "store")),
+        run_id="run-r",
+        tokenizer_dir=model_dir,
+        spool_dir=str(tmp_path / "spool"),
+    )
+    g.add_engine("a", url)
+    g.start()
+    yield g
+    g.stop()
+
+
+def _records(gw: Gateway, sid: str):
+    gw.flush()
+    return sorted(
+        (r for r in table_to_records(gw.store.read("tito")) if r.session_id == sid),
+        key=lambda r: r.seq_no,
+    )
+
+
+def _check_exact(recs, eng):
+    full = reconstruct_inputs(recs)
+    for r in recs:
+        assert full[r.request_id].tolist() == eng.received[r.request_id]
+        assert list(r.output_ids) == list(eng.requests[r.request_id].output_ids)
+    return full
+
+
+def test_tool_call_then_previous_response_id_extends_exactly(gw, engine):
+    eng, _ = engine
+    sid, key = gw.new_session()
+    client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
+    eng.replies.append(gw.tok.encode(CALL))
+    r1 = client.responses.create(
+        model="gyre", instructions="Be brief.", input="Weather in Paris?", tools=[TOOL]
+    )
+    (fc,) = [o for o in r1.output if o.type == "function_call"]
+    assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris"}
+    eng.replies.append(gw.tok.encode("Sunny."))
+    out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"sky": "sunny"}'}
+    r2 = client.responses.create(
+        model="gyre",
+        instructions="Be brief.",
+        previous_response_id=r1.id,
+        input=[out],
+        tools=[TOOL],
+    )
+    assert r2.output_text == "Sunny." and r2.usage.output_tokens >= 1
+    # streamed, continuing r2
+    eng.replies.append(gw.tok.encode("Bye now."))
+    events = list(
+        client.responses.create(
+            model="gyre",
+            instructions="Be brief.",
+            previous_response_id=r2.id,
+            input="Thanks!",
+            tools=[TOOL],  # the same tools: a different set renders a different prefix
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Bye now." == events[-1].response.output_text
+    r3 = events[-1].response
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gyre", previous_response_id="resp-nope", input="x")
+
+    recs = _records(gw, sid)
+    assert [r.request_id for r in recs] == [r1.id, r2.id, r3.id]
+    assert {r.endpoint for r in recs} == {"responses"}
+    full = _check_exact(recs, eng)
+    for prev, cur in itertools.pairwise(recs):  # each call extends the previous
+        assert cur.parent_request_id == prev.request_id
+        assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
+
+
+def test_openai_agents_sdk_default_model_runs_against_the_gateway(gw, engine):
+    agents = pytest.importorskip("agents")
+    eng, _ = engine
+    sid, key = gw.new_session()
+    agents.set_tracing_disabled(True)  # tracing would export to api.openai.com
+    agents.set_default_openai_client(
+        openai.AsyncOpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0),
+        use_for_tracing=False,
+    )
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    eng.replies.append(gw.tok.encode(CALL))
+    eng.replies.append(gw.tok.encode("It is sunny."))
+    agent = agents.Agent(
+        name="weather", instructions="Answer briefly.", model="gyre", tools=[get_weather]
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+    assert seen == ["Paris"] and result.final_output == "It is sunny."
+    recs = _records(gw, sid)
+    assert len(recs) == 2 and {r.endpoint for r in recs} == {"responses"}
+    full = _check_exact(recs, eng)
+    # the SDK resends the whole conversation: the second call still extends the first exactly
+    assert recs[1].parent_request_id == recs[0].request_id
+    assert recs[1].prefix_len == len(full[recs[0].request_id]) + len(recs[0].output_ids)

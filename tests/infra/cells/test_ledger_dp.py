@@ -68,7 +68,13 @@ class Work:
     def process(self, index, sessions, version) -> _Job:
         return _Job(
             self.pool.submit(
-                process_sessions, self.store, self.run_id, index, sessions, current_version=version
+                process_sessions,
+                self.store,
+                self.run_id,
+                index,
+                sessions,
+                current_version=version,
+                filter_zero_variance=TCFG.filter_zero_variance,
             )
         )
 

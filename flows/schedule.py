@@ -58,9 +58,13 @@ class _Job:
     def __init__(self, future):
         self.future = future
         self._dask = future.wrapped_future
+        self.key = self._dask.key
 
     def done(self) -> bool:
         return self._dask.done()
+
+    def cancel(self) -> None:
+        self._dask.cancel()
 
     def result(self) -> Any:
         return self.future.result()
@@ -126,7 +130,7 @@ class PrefectWork:
     def step(self, plan: StepPlan) -> list[_Job]:
         s = self.cfg.scheduler
         jobs = []
-        for rank, addr in enumerate(self.addresses(plan.members)):
+        for rank, addr in enumerate(plan.workers):
             with dask.annotate(resources={"train": 1}, workers=[addr], allow_other_workers=False):
                 fut = train_member.submit(
                     self.store,
@@ -141,9 +145,6 @@ class PrefectWork:
                 )
             jobs.append(_Job(fut))
         return jobs
-
-    def addresses(self, cell_ids: tuple[str, ...]) -> list[str]:
-        return [self.by_cell_id[c] for c in cell_ids]
 
 
 def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
@@ -204,8 +205,10 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         step_timeout_s=sc.step_timeout_s,
         shuffle_buffer=sc.shuffle_buffer,
         seed=sc.seed,
+        heal_timeout_s=cfg.cluster.heal_timeout_s,
+        # a rollout ends by its own timeout; processing and the margins on top
+        job_timeout_s=r.timeout_s + sc.drain_timeout_s + 600,
     )
-    work.by_cell_id = {ex.cell_id(i): a for i, a in enumerate(ex.addrs)}
     roles = coord.state().cells
     ex.start(tuple(c.role for c in roles), f"{sc.mode}: initial roles")
     logger.info(

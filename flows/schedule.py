@@ -27,12 +27,13 @@ from tqdm import tqdm
 
 from flows import live
 from flows.config import RunConfig
+from flows.progress import Progress
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
 from storage.store import Store
 from tasks.handles import GroupSpec
 from tasks.process import process_group
-from tasks.rollout import rollout_group
+from tasks.rollout import admin_token_variable, rollout_group
 from tasks.sched.config import build_policy, group_shape
 from tasks.sched.coordinator import (
     Coordinator,
@@ -50,6 +51,7 @@ from tasks.train_step import train_member
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_NS = 300 * 10**9
+STOP_DRAIN_S = 10.0  # after Ctrl-C: how long rollouts get to end at their next step
 
 
 class _Job:
@@ -76,15 +78,25 @@ class _Job:
 class PrefectWork:
     """The executor's ``Work`` port: units of work as Prefect tasks on the cells."""
 
-    def __init__(self, run_id: str, cfg: RunConfig, store: Store, gateway, stop_event: str):
+    def __init__(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        store: Store,
+        gateway,
+        stop_event: str,
+        first_group: int = 0,
+    ):
         self.run_id, self.cfg, self.store = run_id, cfg, store
         self.gateway = gateway
         self.stop_event = stop_event
-        self.total = cfg.train.steps * cfg.rollout.groups_per_step
+        self.first_group = first_group  # a resumed run's groups continue the numbering
+        self.total = first_group + cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
 
     def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
+        index += self.first_group  # the run's group number: new tasks on a resumed run
         n, env_s, env_sigma = group_shape(
             self.cfg.scheduler.pacing, r.subtasks, index, self.total, self.cfg.scheduler.seed
         )
@@ -104,7 +116,7 @@ class PrefectWork:
         with dask.annotate(resources={"harness": 1}):
             fut = rollout_group.submit(
                 self.gateway.url,
-                self.gateway.admin_token,
+                admin_token_variable(self.run_id),  # the token itself never is a parameter
                 self.store,
                 self.run_id,
                 self.spec(index, cell_id),
@@ -114,11 +126,12 @@ class PrefectWork:
         return _Job(fut)
 
     def process(self, index: int, sessions, version: int) -> _Job:
-        step = index // self.cfg.rollout.groups_per_step
+        group = index + self.first_group
+        step = group // self.cfg.rollout.groups_per_step
         fut = process_group.submit(
             self.store,
             self.run_id,
-            index,
+            group,
             step,
             sessions,
             version,
@@ -168,9 +181,20 @@ def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
 
 
 @flow(name="schedule", flow_run_name="{run_id}-schedule")
-def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> dict[str, Any]:
-    """Events -> Coordinator -> decisions -> Executor, until ``train.steps`` steps are done."""
+def schedule(
+    run_id: str,
+    cfg: RunConfig,
+    store: Store,
+    start_version: int,
+    first_step: int = 0,
+    first_group: int = 0,
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """Events -> Coordinator -> decisions -> Executor, until ``steps`` optimizer steps are done
+    (default ``train.steps``); a resumed run starts at step ``first_step`` from version
+    ``start_version``, its rollout groups numbered from ``first_group``."""
     logger = get_run_logger()
+    steps = cfg.train.steps if steps is None else steps
     cells, gateway, model_dir = live.lookup(run_id)
     sc, r = cfg.scheduler, cfg.rollout
     n_cells = len(cells.roles)
@@ -184,7 +208,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
     )
     coord = Coordinator(policy, n_cells, sc.groups_per_cell)
     stop_event = f"gyre-stop-{run_id}"
-    work = PrefectWork(run_id, cfg, store, gateway, stop_event)
+    work = PrefectWork(run_id, cfg, store, gateway, stop_event, first_group)
     engine = EngineSpec(
         model_dir=model_dir,
         max_batch_size=cfg.model.max_batch_size,
@@ -201,6 +225,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         work,
         engine,
         version=start_version,
+        first_step=first_step,
         drain_timeout_s=sc.drain_timeout_s,
         step_timeout_s=sc.step_timeout_s,
         shuffle_buffer=sc.shuffle_buffer,
@@ -221,14 +246,16 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         sc.groups_per_cell,
     )
     DaskEvent(stop_event).clear()
-    bar = tqdm(total=cfg.train.steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
+    bar = tqdm(total=steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
+    progress = Progress(run_id, first_step, steps)
     t0 = time.monotonic()
     decisions = 0
+    interrupted = False
     try:
         while True:
             for ev in ex.events(timeout=sc.tick_s):
                 coord.handle(ev)
-            if ex.stats.steps >= cfg.train.steps:
+            if ex.stats.steps >= steps:
                 break
             state = coord.state()
             for d in coord.handle(Tick(time.monotonic() - t0)):
@@ -237,15 +264,20 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
                 ex.apply(d, explain(d, state, cfg))
             if bar.n != ex.stats.steps:
                 bar.update(ex.stats.steps - bar.n)
+                last = getattr(ex, "last_step", None)
+                progress.update(ex.stats.steps, (last.metrics or {}).get("train/reward_mean"))
                 s = coord.state()
                 bar.set_postfix_str(
                     f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
                     f"{s.count('rollout')}R/{s.count('train')}T"
                 )
+    except BaseException as exc:
+        interrupted = not isinstance(exc, Exception)  # Ctrl-C, SIGTERM: stop quickly
+        raise
     finally:
         bar.close()
         DaskEvent(stop_event).set()
-        _drain(ex, cfg, logger)
+        _drain(ex, cfg, logger, bound=STOP_DRAIN_S if interrupted else None)
         ex.close()
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
@@ -261,9 +293,10 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
     }
 
 
-def _drain(ex: Executor, cfg: RunConfig, logger) -> None:
+def _drain(ex: Executor, cfg: RunConfig, logger, bound: float | None = None) -> None:
     """Wait (bounded) for the rollouts the stop event ends; what is left is reported."""
-    bound = cfg.scheduler.drain_timeout_s + cfg.rollout.timeout_s + 30
+    if bound is None:
+        bound = cfg.scheduler.drain_timeout_s + cfg.rollout.timeout_s + 30
     deadline = time.monotonic() + bound
     jobs = [g.job for g in ex.groups.values() if g.job is not None]
     while jobs and time.monotonic() < deadline:

@@ -64,10 +64,9 @@ class CellPlugin(WorkerPlugin):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def teardown(self, worker) -> None:
+        # the DP group is not destroyed here: a step still running when the worker is asked
+        # to close (a run stopped by Ctrl-C) finishes first; the process exit ends the group
         self.stop_engine()
-        if self.dp is not None:
-            self.dp.close()
-            self.dp = None
 
     def stop_engine(self) -> None:
         with self.lock or threading.RLock():
@@ -293,12 +292,11 @@ async def _close_nannies(cluster: LocalCluster, timeout: float) -> None:
 
 
 def _stop_engine(dask_worker=None) -> None:
+    # the DP group is left to the plugin's teardown: a step still running (a run stopped by
+    # Ctrl-C) finishes its collectives first
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is not None:
         plugin.stop_engine()
-        if plugin.dp is not None:
-            plugin.dp.close()
-            plugin.dp = None
 
 
 def default_worker_env() -> dict[str, str]:

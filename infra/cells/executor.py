@@ -169,6 +169,7 @@ class Executor:
         engine: EngineSpec,
         *,
         version: int = 0,
+        first_step: int = 0,
         drain_timeout_s: float = 60.0,
         step_timeout_s: float = 600.0,
         shuffle_buffer: int = 0,
@@ -192,6 +193,8 @@ class Executor:
         self.engine = engine
         self.addrs = sorted(cells.roles)
         self.version = version
+        self.version0 = version  # the coordinator counts versions from 0: this is its 0
+        self.first_step = first_step  # a resumed run's step numbers continue
         self.drain_timeout_s = drain_timeout_s
         self.step_timeout_s = step_timeout_s
         self.heal_timeout_s = heal_timeout_s
@@ -385,6 +388,7 @@ class Executor:
             g.phase = "buffered"
             self.buffer[g.index] = g
             v = getattr(g.processed, "version_min", -1)
+            v = v - self.version0 if v >= 0 else -1  # in the coordinator's count
             out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
         return out
 
@@ -696,7 +700,7 @@ class Executor:
             self.generation += 1
             self.members, self.dp_left = members, False
         plan = StepPlan(
-            step=self.stats.steps,
+            step=self.first_step + self.stats.steps,
             version=self.version,
             generation=self.generation,
             host=self.dp_host,

@@ -264,8 +264,7 @@ def schedule(
                 ex.apply(d, explain(d, state, cfg))
             if bar.n != ex.stats.steps:
                 bar.update(ex.stats.steps - bar.n)
-                last = getattr(ex, "last_step", None)
-                progress.update(ex.stats.steps, (last.metrics or {}).get("train/reward_mean"))
+                progress.update(ex.stats.steps, _reward(ex))
                 s = coord.state()
                 bar.set_postfix_str(
                     f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
@@ -279,6 +278,7 @@ def schedule(
         DaskEvent(stop_event).set()
         _drain(ex, cfg, logger, bound=STOP_DRAIN_S if interrupted else None)
         ex.close()
+    progress.update(ex.stats.steps, _reward(ex))  # the last step ends the loop before the bar
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
     logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])
@@ -291,6 +291,11 @@ def schedule(
         "last_step": getattr(ex, "last_step", None),
         "trained_groups": [g.index for g in ex.groups.values() if g.phase == "trained"],
     }
+
+
+def _reward(ex: Executor) -> float | None:
+    last = getattr(ex, "last_step", None)
+    return None if last is None else (last.metrics or {}).get("train/reward_mean")
 
 
 def _drain(ex: Executor, cfg: RunConfig, logger, bound: float | None = None) -> None:

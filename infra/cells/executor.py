@@ -579,7 +579,9 @@ class Executor:
             roll_forward(self.store, self.run_id)
             log.warning("step %d had committed before the loss: not trained again", plan.step)
             row = rec["steps"]
-            done = CommittedStep(plan.step, plan.version + 1, row["checkpoint"], dict(row))
+            metrics = {f"train/{k}": row[k] for k in ("loss", "tokens", "grad_norm", "lag_mean")}
+            metrics["train/reward_mean"] = row["reward"]
+            done = CommittedStep(plan.step, plan.version + 1, row["checkpoint"], metrics)
             return self._finish_step([done])
         self.step_attempt += 1
         if self.step_attempt > self.max_step_retries:

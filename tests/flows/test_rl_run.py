@@ -104,6 +104,7 @@ def test_admin_token_is_in_no_parameter_artifact_or_log(local_run):
     *_, seen = local_run
     token = seen.get("admin_token")
     assert token and len(token) >= 20
+
     def every(read, *args):  # the API pages by 200
         out: list = []
         while page := read(*args, limit=200, offset=len(out)):

@@ -26,7 +26,7 @@ from storage.tito import TitoRecord
 from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.tree import TrajectoryTree
 
-pytestmark = [pytest.mark.fault, pytest.mark.integration]
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 RUN = "commit"
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,7 +27,7 @@ from prefect_dask import DaskTaskRunner
 from flows import live
 from flows.config import PRESETS, RunConfig, load_config
 from flows.preflight import preflight
-from flows.procs import record_children
+from flows.procs import forget, record_children
 from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
@@ -231,6 +231,10 @@ def rl_run(
         finally:
             live.drop(run_id)
             gateway.stop()
+            try:  # the token is no use once the gateway stopped; leave none behind
+                Variable(admin_token_variable(run_id), client=cells.client).delete()
+            except Exception as exc:
+                logger.warning("could not delete the admin token variable: %s", exc)
         # training is done: the summary is written before the cells are torn down, which
         # may be slow under load but never fails the run (infra/cells/cluster.py)
         summary = _summary(loop, st, run_id, sc.mode, time.monotonic() - t0)
@@ -239,6 +243,7 @@ def rl_run(
             markdown=summary_markdown(summary, st.url, run_id),
             description=f"gyre run {run_id}",
         )
+    forget()  # nothing of this run is left to reap
     logger.info("summary: %s", {k: rounded(v) for k, v in summary.items()})
     return summary
 

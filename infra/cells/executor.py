@@ -205,6 +205,7 @@ class Executor:
         self.lost_addr: dict[int, str] = {}
         self._cell_locks = [threading.RLock() for _ in self.addrs]
         self._watched = 0.0
+        self._closing = threading.Event()
         self.shuffle_buffer = shuffle_buffer
         self.rng = random.Random(seed)
         self.stats = Stats()
@@ -282,6 +283,7 @@ class Executor:
 
     def close(self) -> None:
         """Record every cell leaving; the pool stops (pending actions are bounded waits)."""
+        self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
             self.record(i, "leave", role, "run ended")
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -440,7 +442,7 @@ class Executor:
     def _wait_healed(self, i: int, addr: str) -> bool:
         """Wait until cell ``i`` runs on a worker other than ``addr`` with its role back."""
         deadline = time.monotonic() + self.heal_timeout_s + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._closing.is_set():
             if self.addrs[i] != addr and not self.membership.is_lost(i):
                 return True
             time.sleep(0.1)
@@ -478,6 +480,15 @@ class Executor:
                 raise ExecutorError(
                     f"{g.phase} of group g{g.index} not done {self.job_timeout_s:.0f}s after "
                     f"it started (its Dask task: {self._describe(g.job)}); check the cells"
+                )
+        if self.step_jobs and self.step_retry is None:
+            bound = self.step_timeout_s + self.heal_timeout_s
+            late = time.time() - self.step_t0 - bound
+            if late > 0 and not all(j.done() for j in self.step_jobs):
+                states = ", ".join(self._describe(j) for j in self.step_jobs)
+                raise ExecutorError(
+                    f"step {self.step_plan.step} not done {bound:.0f}s after it started "
+                    f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
                 )
         return self._maybe_retry_step(now)
 

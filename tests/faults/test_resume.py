@@ -135,6 +135,7 @@ def test_sigkilled_run_resumes_without_duplicates(tmp_path):
     assert rc == 0, log2.read_text()[-4000:]
     wall = time.monotonic() - t0
     assert "resuming at step" in log2.read_text()
+    assert "still alive after" not in log2.read_text()  # cells left without being killed
     steps = _rows(
         store, f"SELECT step, weight_version FROM steps WHERE run_id = '{run}' ORDER BY 1"
     )
@@ -181,4 +182,5 @@ def test_ctrl_c_stops_the_run_cleanly_within_a_bound(tmp_path):
     stored = {r["request_id"] for r in _rows(store, "SELECT request_id FROM tito")}
     assert {r.request_id for r in wal} <= stored
     assert "Restarting worker" not in out  # no cell died on its own
+    assert "still alive after" not in out  # and none was killed at the end
     print(f"\nCtrl-C: stopped in {took:.1f}s")

@@ -39,14 +39,19 @@ def test_run_on_an_external_dask_cluster(prefect_harness, tmp_path):
         api = str(client.api_url).rstrip("/")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_API_URL": api, "OMP_NUM_THREADS": "1"}
     sfile = tmp_path / "scheduler.json"
-    procs = [
-        subprocess.Popen(
-            _cli("scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
-                 "127.0.0.1:0", "--scheduler-file", str(sfile)),
-            env=env, start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=(tmp_path / "scheduler.log").open("w"),
-        )  # fmt: skip
-    ]
+
+    def start(args: list[str], log: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            _cli(*args),
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / log).open("w"),
+        )
+
+    scheduler = ["scheduler", "--host", "127.0.0.1", "--port", "0"]
+    scheduler += ["--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(sfile)]
+    procs = [start(scheduler, "scheduler.log")]
     try:
         deadline = time.monotonic() + 60
         while not sfile.exists():
@@ -55,14 +60,9 @@ def test_run_on_an_external_dask_cluster(prefect_harness, tmp_path):
         time.sleep(0.5)
         address = json.loads(sfile.read_text())["address"]
         for i in range(2):
-            procs.append(
-                subprocess.Popen(
-                    _cli("worker", "--scheduler-file", str(sfile), "--nthreads", "6",
-                         "--memory-limit", "0", "--host", "127.0.0.1", "--name", f"cell{i}"),
-                    env=env, start_new_session=True,
-                    stdout=subprocess.DEVNULL, stderr=(tmp_path / f"worker{i}.log").open("w"),
-                )  # fmt: skip
-            )
+            worker = ["worker", "--scheduler-file", str(sfile), "--nthreads", "6"]
+            worker += ["--memory-limit", "0", "--host", "127.0.0.1", "--name", f"cell{i}"]
+            procs.append(start(worker, f"worker{i}.log"))
         summary = rl_run(
             preset="tiny",
             store=str(tmp_path / "store"),

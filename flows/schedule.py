@@ -270,8 +270,8 @@ def schedule(
                     f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
                     f"{s.count('rollout')}R/{s.count('train')}T"
                 )
-    except BaseException as exc:
-        interrupted = not isinstance(exc, Exception)  # Ctrl-C, SIGTERM: stop quickly
+    except BaseException:
+        interrupted = True  # Ctrl-C, SIGTERM, or a failure: stop quickly
         raise
     finally:
         bar.close()

@@ -95,7 +95,8 @@ def test_run_survives_killed_train_and_rollout_cells(prefect_harness, tmp_path):
             "rollout.subtasks=3",
             "scheduler.pacing.env_step_s=0.2",
             "scheduler.pacing.train_s_per_token=0.002",  # a step of ~1600 tokens: ~3 s
-            "cluster.heal_timeout_s=120",
+            "cluster.heal_timeout_s=60",
+            "scheduler.step_timeout_s=60",  # bounds a plant that would hang the run
         ],
     )
     wall = time.monotonic() - t0

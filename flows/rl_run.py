@@ -38,7 +38,6 @@ from storage.checkpoints import publish_checkpoint
 from storage.paths import spool_dir
 from storage.sql import query
 from storage.store import Store
-from tasks.rollout import admin_token_variable
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +200,6 @@ def rl_run(
         record_children()  # if this process is killed, the next `gyre run` stops its cells
         if cells.dashboard_link:
             logger.info("Dask dashboard: %s", cells.dashboard_link)
-        # the admin token reaches the cells through the Dask scheduler, not as a parameter
-        from distributed import Variable
-
-        Variable(admin_token_variable(run_id), client=cells.client).set(admin_token)
         # the write-ahead log of answered calls lives where a later process can replay it
         gateway = Gateway(
             st,
@@ -231,10 +226,6 @@ def rl_run(
         finally:
             live.drop(run_id)
             gateway.stop()
-            try:  # the token is no use once the gateway stopped; leave none behind
-                Variable(admin_token_variable(run_id), client=cells.client).delete()
-            except Exception as exc:
-                logger.warning("could not delete the admin token variable: %s", exc)
         # training is done: the summary is written before the cells are torn down, which
         # may be slow under load but never fails the run (infra/cells/cluster.py)
         summary = _summary(loop, st, run_id, sc.mode, time.monotonic() - t0)

@@ -21,6 +21,7 @@ from typing import Any
 
 import dask
 from distributed import Event as DaskEvent
+from distributed import Variable
 from prefect import flow
 from prefect.logging import get_run_logger
 from tqdm import tqdm
@@ -246,6 +247,10 @@ def schedule(
         sc.groups_per_cell,
     )
     DaskEvent(stop_event).clear()
+    # the gateway's admin token reaches the rollout tasks through the Dask scheduler: a
+    # Prefect parameter would show it in the UI
+    token = Variable(admin_token_variable(run_id), client=cells.client)
+    token.set(gateway.admin_token)
     bar = tqdm(total=steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
     progress = Progress(run_id, first_step, steps)
     t0 = time.monotonic()
@@ -278,6 +283,10 @@ def schedule(
         DaskEvent(stop_event).set()
         _drain(ex, cfg, logger, bound=STOP_DRAIN_S if interrupted else None)
         ex.close()
+        try:  # no use once the run's gateway stops: leave none behind on the scheduler
+            token.delete()
+        except Exception as exc:
+            logger.warning("could not delete the admin token variable: %s", exc)
     progress.update(ex.stats.steps, _reward(ex))  # the last step ends the loop before the bar
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)

@@ -34,7 +34,8 @@ format: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/pytest -q -m "not slow and not gpu"
 
-# the long checks: performance targets as tests, SIGKILLed gateway (~2 min on 2 cores)
+# the long checks: performance targets as tests, faults (cells, trainer, run killed;
+# Ctrl-C), the deployment run, an external Dask cluster (~15 min on 2 cores)
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m "slow and not gpu"
 

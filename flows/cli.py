@@ -1,6 +1,7 @@
 """The ``gyre`` command line.
 
     gyre run [--config FILE] [--preset tiny|demo] [--store URL] [key=value ...]
+    gyre run --resume RUN_ID [--store URL] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
     gyre session new [--url URL] [--admin-token TOKEN] [--port N]
@@ -34,35 +35,61 @@ _ENV_DEFAULTS = {
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
     from flows.preflight import preflight
+    from flows.procs import bounded_stop, forget, prefect_api, reap_orphans
+    from flows.resume import new_run_id, resume_config
 
+    reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
     try:  # fail before anything starts
-        cfg = load_config(
-            config_file=args.config, preset=args.preset, overrides=args.overrides, store=args.store
-        )
+        if args.resume:
+            cfg = resume_config(args.resume, args.store or DEFAULT_STORE, args.overrides)
+        else:
+            cfg = load_config(
+                config_file=args.config,
+                preset=args.preset,
+                overrides=args.overrides,
+                store=args.store,
+            )
         preflight(cfg)
     except ConfigError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
-    from flows.rl_run import rl_run
-
+    run_id = cfg.run_id or new_run_id()  # named here, so that a stopped run can be resumed
+    what = f"resume={args.resume}" if args.resume else f"preset={args.preset}"
     print(
-        f"gyre run: preset={args.preset} store={cfg.store} steps={cfg.train.steps} "
+        f"gyre run: {run_id} {what} store={cfg.store} steps={cfg.train.steps} "
         f"(starting Prefect, cells, engine, gateway...)",
         file=sys.stderr,
     )
-    summary = rl_run(
-        preset=args.preset,
-        overrides=list(args.overrides),
-        store=args.store,
-        config_file=args.config,
-    )
+    try:
+        with bounded_stop(), prefect_api():
+            from flows.rl_run import rl_run
+
+            summary = rl_run(
+                preset=None if args.resume else args.preset,
+                overrides=list(args.overrides),
+                store=cfg.store,
+                config_file=None if args.resume else args.config,
+                run_id=run_id,
+                resume=bool(args.resume),
+            )
+    except KeyboardInterrupt as exc:
+        print(f"gyre run: stopped ({exc or 'SIGINT'}); continue it with `gyre run --resume "
+              f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip
+        forget()
+        return 130
+    forget()
     width = max(len(k) for k in summary)
     print("\nrun summary")
     for k, v in summary.items():
         print(
             f"  {k.ljust(width)}  {v:.4g}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}"
         )
-    print(f'\nquery it:  gyre sql --store {summary["store"]} "SELECT * FROM steps"')
+    rid = summary["run_id"]
+    print(
+        f"\nquery it:  gyre sql --store {summary['store']} "
+        f"\"SELECT * FROM steps WHERE run_id = '{rid}' ORDER BY step\""
+    )
+    print(f"continue it:  gyre run --resume {rid} --store {summary['store']} train.steps=N")
     return 0
 
 
@@ -120,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run the RL flow (Prefect flow rl_run on a Dask cluster)")
     r.add_argument("--config", help="YAML run config")
+    r.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue a run (killed, stopped, or to train further with train.steps=N) from "
+        "its last committed step, with its stored settings and then key=value overrides",
+    )
     r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")

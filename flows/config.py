@@ -115,7 +115,6 @@ class RunConfig(BaseModel):
             raise ValueError("; ".join(problems))
         return self
 
-
     def _learning_problems(self) -> list[str]:
         """Held-out seeds never trained on; a warm start that can be built."""
         problems = []
@@ -249,11 +248,15 @@ def load_config(
     preset: str | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     store: str | None = None,
+    base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Preset, then YAML file, then ``--store``, then ``key=value`` overrides; validated once."""
+    """Preset, then YAML file, then ``--store``, then ``key=value`` overrides; validated once.
+
+    ``base``: a resolved config (a resumed run's stored one) to start from instead of a preset.
+    """
     problems: list[str] = []
-    tree: dict[str, Any] = {}
-    if preset is not None:
+    tree: dict[str, Any] = copy.deepcopy(base) if base is not None else {}
+    if preset is not None and base is None:
         if preset not in PRESETS:
             problems.append(f"--preset {preset!r}: unknown preset; use one of {sorted(PRESETS)}")
         else:

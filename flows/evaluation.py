@@ -33,6 +33,7 @@ from storage.sql import query
 from storage.store import Store
 from tasks.env.heldout import eval_seeds, eval_versions, mean_and_se
 from tasks.evaluate import EvalDone, evaluate_policy
+from tasks.rollout import admin_token_variable
 from tasks.sched.coordinator import LoadWeights, Move
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,22 @@ log = logging.getLogger(__name__)
 class HeldOut:
     """Schedules the run's held-out evaluations around the executor (see the module doc)."""
 
-    def __init__(self, run_id: str, cfg: Any, store: Store, gateway: Any, start_version: int):
+    def __init__(
+        self,
+        run_id: str,
+        cfg: Any,
+        store: Store,
+        gateway: Any,
+        start_version: int,
+        first_step: int = 0,
+        steps: int | None = None,
+    ):
+        """``start_version``/``first_step``: where this invocation starts (a resumed run
+        starts past 0); ``steps``: how many it trains (default ``cfg.train.steps``)."""
         self.run_id, self.cfg, self.store, self.gateway = run_id, cfg, store, gateway
-        self.start = start_version
-        self.due = [start_version + v for v in eval_versions(cfg.train.steps, cfg.eval.every)]
+        self.start, self.first_step = start_version, first_step
+        n = cfg.train.steps if steps is None else steps
+        self.due = [start_version + v for v in eval_versions(n, cfg.eval.every)]
         self.seeds = eval_seeds(cfg.eval)
         self.job: Any = None
         self.pinned: int | None = None
@@ -81,11 +94,11 @@ class HeldOut:
         with dask.annotate(resources={"harness": 1}):
             self.job = evaluate_policy.submit(
                 self.gateway.url,
-                self.gateway.admin_token,
+                admin_token_variable(self.run_id),  # the token itself never is a parameter
                 self.store,
                 self.run_id,
                 version,
-                version - self.start,
+                self.first_step + version - self.start,
                 ex.cell_id(i),
                 self.seeds,
                 self.cfg.rollout,
@@ -237,7 +250,10 @@ def curve_png(curve: list[dict[str, Any]], train: list[dict[str, Any]], title: s
 
 
 def _curve_markdown(s: dict[str, Any]) -> str:
-    lines = ["| step | version | held-out reward | s.e. | tasks |", "| ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| step | version | held-out reward | s.e. | tasks |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
     lines += [
         f"| {c['step']} | {c['version']} | {c['reward']:.3f} | {c['se']:.3f} | {c['n']} |"
         for c in s["curve"]
@@ -270,13 +286,12 @@ def write_learning(store: Store, run_id: str, summary: dict[str, Any]) -> dict[s
             f"SELECT step, avg(reward) AS reward FROM rollouts WHERE run_id = '{rid}' "
             "GROUP BY 1 ORDER BY 1",
         ).to_pylist()
-        title = f"{run_id}: held-out {learned['reward_before']:.2f} -> {learned['reward_after']:.2f}"
+        title = (
+            f"{run_id}: held-out {learned['reward_before']:.2f} -> {learned['reward_after']:.2f}"
+        )
         store.write_bytes(f"{rel}/learning.png", curve_png(learned["curve"], train, title))
         out.update(
-            {
-                k: learned[k]
-                for k in ("reward_before", "reward_after", "reward_gain", "eval_tasks")
-            }
+            {k: learned[k] for k in ("reward_before", "reward_after", "reward_gain", "eval_tasks")}
         )
         out["curve"] = " ".join(f"{c['step']}:{c['reward']:.3f}" for c in learned["curve"])
     full = {**out, **({"learning": learned} if learned else {})}

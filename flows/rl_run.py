@@ -5,7 +5,9 @@ is the scheduling flow (flows/schedule.py): the same Coordinator and policies as
 simulator decide, for ``scheduler.mode`` colocate, async or elastic, which cells roll out
 and which train, and its executor carries that out while rollouts stream to processing and
 data-parallel steps publish new weights. Trigger it with ``gyre run`` or from the Prefect
-UI (deployment in prefect.yaml).
+UI (deployments in prefect.yaml). A run continues where it stopped with ``resume``
+(``gyre run --resume RUN_ID``; flows/resume.py): the next step number, the newest committed
+weights, new tasks.
 """
 
 from __future__ import annotations
@@ -13,33 +15,35 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
 from flows import live
-from flows.config import RunConfig, load_config
+from flows.config import PRESETS, RunConfig, load_config
 from flows.evaluation import write_learning
 from flows.preflight import preflight
+from flows.procs import forget, record_children
+from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
+from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, start_cells
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
-from storage.checkpoints import latest_version, publish_checkpoint
+from storage.checkpoints import publish_checkpoint
 from storage.paths import spool_dir
 from storage.sql import query
 from storage.store import Store
 
 log = logging.getLogger(__name__)
 
-
-def new_run_id() -> str:
-    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+Preset = Literal.__getitem__(tuple(sorted(PRESETS)))  # a choice in the Run form
 
 
 def _totals(store: Store, run_id: str) -> dict[str, Any]:
@@ -64,28 +68,117 @@ def _totals(store: Store, run_id: str) -> dict[str, Any]:
     }
 
 
-@flow(name="rl_run", flow_run_name="{preset}-run")
+def _initial_name() -> str:
+    """The flow run's name before the run id is known (renamed once it is)."""
+    p = flow_run.parameters
+    what = p.get("run_id") or "new run"
+    how = "resume" if p.get("resume") else (p.get("preset") or "config")
+    return f"{what} | {how}"
+
+
+def _rename(name: str) -> None:
+    """Name the flow run after what it is: run id, preset, steps (best effort)."""
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+    except Exception as exc:
+        log.warning("could not rename the flow run: %s", exc)
+
+
+def resolve(
+    preset: str | None,
+    overrides: list[str],
+    store: str | None,
+    config_file: str | None,
+    run_id: str | None,
+    resume: bool,
+) -> RunConfig:
+    """The run's settings: a resumed run's stored ones (then ``overrides``), else the
+    preset, the file, the store and the overrides (flows/config.py)."""
+    over = list(overrides) + ([f"run_id={run_id}"] if run_id else [])
+    if resume and run_id:
+        base = load_config(config_file=config_file, preset=preset, overrides=over, store=store)
+        st = Store(base.store)
+        if st.exists("runs", run_id, "config.json"):
+            return resume_config(run_id, base.store, overrides)
+    return load_config(config_file=config_file, preset=preset, overrides=over, store=store)
+
+
+@flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=True)
 def rl_run(
-    preset: str | None = "tiny",
+    preset: Preset | None = "tiny",
     overrides: list[str] | None = None,
     store: str | None = None,
     config_file: str | None = None,
+    run_id: str | None = None,
+    resume: bool = False,
+    more_steps: int | None = None,
 ) -> dict[str, Any]:
-    """One RL run of the bundled environment: validated config, cells, engines, gateway, loop."""
-    cfg: RunConfig = load_config(
-        config_file=config_file, preset=preset, overrides=overrides or [], store=store
-    )
+    """One RL run of a task suite: validated settings, cells, engines, gateway, loop.
+
+    Args:
+        preset: starting settings: tiny (2 steps, about a minute) or demo (8 steps).
+        overrides: settings as "key=value" strings, applied after the preset, e.g.
+            ["train.steps=8", "scheduler.mode=async", "rollout.suite=tools"]
+            (every key: `gyre run --help` and flows/config.py).
+        store: where the run's data and checkpoints go: a directory or s3://bucket/prefix
+            (default ./gyre-data).
+        config_file: a YAML file of settings, applied after the preset.
+        run_id: the run's name (its data, checkpoints and log are keyed by it); empty for a
+            new one. Letters, digits, ".", "_" and "-".
+        resume: continue run `run_id` from its last committed step with its stored settings
+            (then `overrides`), or start it if the store has no such run.
+        more_steps: with `resume`, train this many steps more than the run has (a nightly
+            deployment continues one run by a few steps each night); empty trains up to
+            `train.steps` in total.
+    """
+    cfg = resolve(preset, overrides or [], store, config_file, run_id, resume)
     preflight(cfg)  # a deployment run checks the world too, before anything starts
     logger = get_run_logger()
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
     t0 = time.monotonic()
     model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
-    version = latest_version(st, run_id)
-    if version is None:
+    spool = spool_dir(st.url, run_id)
+    point = resume_point(st, run_id, _journal_groups(spool))
+    if point.fresh:
         publish_checkpoint(st, run_id, model_dir, 0)
-        version = 0
-    logger.info("run %s: store %s, model %s, starting at v%d", run_id, st.url, model_dir, version)
+    version = 0 if point.fresh else point.version
+    if more_steps is not None:
+        cfg = cfg.model_copy(
+            update={"train": cfg.train.model_copy(update={"steps": point.next_step + more_steps})}
+        )
+    cfg = cfg.model_copy(update={"run_id": run_id})
+    steps = cfg.train.steps - point.next_step
+    _rename(
+        f"{run_id} | {preset if not resume else 'resume'} | "
+        f"steps {point.next_step}-{cfg.train.steps - 1} of {cfg.train.steps}"
+    )
+    if steps <= 0:
+        logger.warning(
+            "run %s already has %d steps (train.steps=%d): nothing to train; pass "
+            "train.steps=N (or more_steps) to train further",
+            run_id,
+            point.next_step,
+            cfg.train.steps,
+        )
+        return {"run_id": run_id, "store": st.url, "steps": 0, "weight_version": version}
+    save_config(st, cfg)
+    create_markdown_artifact(
+        key=artifact_key("gyre-config", run_id),
+        markdown=config_markdown(cfg.model_dump(mode="json")),
+        description=f"gyre run {run_id}: settings",
+    )
+    logger.info(
+        "run %s: store %s, model %s, %s at step %d from v%d, %d step(s) to go",
+        run_id,
+        st.url,
+        model_dir,
+        "starting" if point.fresh else "resuming",
+        point.next_step,
+        version,
+        steps,
+    )
 
     with get_client(sync_client=True) as client:
         api_url = client.api_url
@@ -106,6 +199,9 @@ def rl_run(
         rollout_slots=sc.groups_per_cell,
         harness_slots=sc.groups_per_cell,
     ) as cells:
+        record_children()  # if this process is killed, the next `gyre run` stops its cells
+        if cells.dashboard_link:
+            logger.info("Dask dashboard: %s", cells.dashboard_link)
         # the write-ahead log of answered calls lives where a later process can replay it
         gateway = Gateway(
             st,
@@ -113,24 +209,46 @@ def rl_run(
             tokenizer_dir=model_dir,
             admin_token=admin_token,
             port=cfg.gateway.port,
-            spool_dir=str(spool_dir(st.url, run_id)),
+            spool_dir=str(spool),
         )
         gateway.start()
         logger.info("cells and gateway up in %.1fs", time.monotonic() - t0)
         try:
             live.register(run_id, cells, gateway, model_dir)
             runner = DaskTaskRunner(address=cells.scheduler_address)
-            loop = schedule.with_options(task_runner=runner)(run_id, cfg, st, version)
+            loop = schedule.with_options(task_runner=runner)(
+                run_id,
+                cfg,
+                st,
+                version,
+                first_step=point.next_step,
+                first_group=point.first_group,
+                steps=steps,
+            )
         finally:
             live.drop(run_id)
             gateway.stop()
+        # training is done: the summary is written before the cells are torn down, which
+        # may be slow under load but never fails the run (infra/cells/cluster.py)
+        summary = _summary(loop, st, run_id, sc.mode, time.monotonic() - t0)
+        summary = write_learning(st, run_id, summary)  # held-out figures, curve, summary.json
+        create_markdown_artifact(
+            key=artifact_key("gyre-summary", run_id),
+            markdown=summary_markdown(summary, st.url, run_id),
+            description=f"gyre run {run_id}",
+        )
+    forget()  # nothing of this run is left to reap
+    logger.info("summary: %s", {k: rounded(v) for k, v in summary.items()})
+    return summary
 
+
+def _summary(loop: dict, st: Store, run_id: str, mode: str, seconds: float) -> dict[str, Any]:
     stats = loop["stats"]
     lat = sorted(stats.switch_latency_s)
-    summary = {
+    return {
         "run_id": run_id,
         "store": st.url,
-        "mode": sc.mode,
+        "mode": mode,
         "steps": stats.steps,
         "weight_version": loop["weight_version"],
         **_totals(st, run_id),
@@ -138,18 +256,18 @@ def rl_run(
         "sessions_rerouted": stats.sessions_rerouted,
         "kv_moved": stats.kv_moved,
         "switch_latency_s": round(lat[len(lat) // 2], 3) if lat else None,
+        "cells_lost": stats.cells_lost,
+        "step_retries": stats.step_retries,
         "report": loop["report"]["dir"],
-        "seconds": round(time.monotonic() - t0, 1),
+        "seconds": round(seconds, 1),
     }
-    summary = write_learning(st, run_id, summary)  # held-out figures, curve, summary.json
-    create_markdown_artifact(
-        key="rl-run-summary",
-        markdown="\n".join(
-            ["| metric | value |", "| --- | --- |"]
-            + [f"| {k} | {v} |" for k, v in summary.items()]
-            + ["", f'Query it: `gyre sql --store {st.url} "SELECT * FROM steps"`']
-        ),
-        description=f"gyre run {run_id}",
-    )
-    logger.info("summary: %s", summary)
-    return summary
+
+
+def _journal_groups(spool) -> list[str]:
+    """Group ids of the sessions in a run's gateway journal (none for a new run)."""
+    from infra.gateway.sessions import SessionTable
+
+    path = spool / "sessions.jsonl"
+    if not path.exists():
+        return []
+    return [s.group_id for s in SessionTable(str(path)).all()]

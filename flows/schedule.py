@@ -21,6 +21,7 @@ from typing import Any
 
 import dask
 from distributed import Event as DaskEvent
+from distributed import Variable
 from prefect import flow
 from prefect.logging import get_run_logger
 from tqdm import tqdm
@@ -28,12 +29,13 @@ from tqdm import tqdm
 from flows import live
 from flows.config import RunConfig
 from flows.evaluation import HeldOut
+from flows.progress import Progress
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
 from storage.store import Store
 from tasks.handles import GroupSpec
 from tasks.process import process_group
-from tasks.rollout import rollout_group
+from tasks.rollout import admin_token_variable, rollout_group
 from tasks.sched.config import build_policy, group_shape
 from tasks.sched.coordinator import (
     Coordinator,
@@ -51,6 +53,7 @@ from tasks.train_step import train_member
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_NS = 300 * 10**9
+STOP_DRAIN_S = 10.0  # after Ctrl-C: how long rollouts get to end at their next step
 
 
 class _Job:
@@ -59,9 +62,13 @@ class _Job:
     def __init__(self, future):
         self.future = future
         self._dask = future.wrapped_future
+        self.key = self._dask.key
 
     def done(self) -> bool:
         return self._dask.done()
+
+    def cancel(self) -> None:
+        self._dask.cancel()
 
     def result(self) -> Any:
         return self.future.result()
@@ -73,15 +80,25 @@ class _Job:
 class PrefectWork:
     """The executor's ``Work`` port: units of work as Prefect tasks on the cells."""
 
-    def __init__(self, run_id: str, cfg: RunConfig, store: Store, gateway, stop_event: str):
+    def __init__(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        store: Store,
+        gateway,
+        stop_event: str,
+        first_group: int = 0,
+    ):
         self.run_id, self.cfg, self.store = run_id, cfg, store
         self.gateway = gateway
         self.stop_event = stop_event
-        self.total = cfg.train.steps * cfg.rollout.groups_per_step
+        self.first_group = first_group  # a resumed run's groups continue the numbering
+        self.total = first_group + cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
 
     def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
+        index += self.first_group  # the run's group number: new tasks on a resumed run
         n, env_s, env_sigma = group_shape(
             self.cfg.scheduler.pacing, r.subtasks, index, self.total, self.cfg.scheduler.seed
         )
@@ -101,7 +118,7 @@ class PrefectWork:
         with dask.annotate(resources={"harness": 1}):
             fut = rollout_group.submit(
                 self.gateway.url,
-                self.gateway.admin_token,
+                admin_token_variable(self.run_id),  # the token itself never is a parameter
                 self.store,
                 self.run_id,
                 self.spec(index, cell_id),
@@ -111,11 +128,12 @@ class PrefectWork:
         return _Job(fut)
 
     def process(self, index: int, sessions, version: int) -> _Job:
-        step = index // self.cfg.rollout.groups_per_step
+        group = index + self.first_group
+        step = group // self.cfg.rollout.groups_per_step
         fut = process_group.submit(
             self.store,
             self.run_id,
-            index,
+            group,
             step,
             sessions,
             version,
@@ -127,7 +145,7 @@ class PrefectWork:
     def step(self, plan: StepPlan) -> list[_Job]:
         s = self.cfg.scheduler
         jobs = []
-        for rank, addr in enumerate(self.addresses(plan.members)):
+        for rank, addr in enumerate(plan.workers):
             with dask.annotate(resources={"train": 1}, workers=[addr], allow_other_workers=False):
                 fut = train_member.submit(
                     self.store,
@@ -142,9 +160,6 @@ class PrefectWork:
                 )
             jobs.append(_Job(fut))
         return jobs
-
-    def addresses(self, cell_ids: tuple[str, ...]) -> list[str]:
-        return [self.by_cell_id[c] for c in cell_ids]
 
 
 def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
@@ -168,9 +183,20 @@ def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
 
 
 @flow(name="schedule", flow_run_name="{run_id}-schedule")
-def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> dict[str, Any]:
-    """Events -> Coordinator -> decisions -> Executor, until ``train.steps`` steps are done."""
+def schedule(
+    run_id: str,
+    cfg: RunConfig,
+    store: Store,
+    start_version: int,
+    first_step: int = 0,
+    first_group: int = 0,
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """Events -> Coordinator -> decisions -> Executor, until ``steps`` optimizer steps are done
+    (default ``train.steps``); a resumed run starts at step ``first_step`` from version
+    ``start_version``, its rollout groups numbered from ``first_group``."""
     logger = get_run_logger()
+    steps = cfg.train.steps if steps is None else steps
     cells, gateway, model_dir = live.lookup(run_id)
     sc, r = cfg.scheduler, cfg.rollout
     n_cells = len(cells.roles)
@@ -184,7 +210,7 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
     )
     coord = Coordinator(policy, n_cells, sc.groups_per_cell)
     stop_event = f"gyre-stop-{run_id}"
-    work = PrefectWork(run_id, cfg, store, gateway, stop_event)
+    work = PrefectWork(run_id, cfg, store, gateway, stop_event, first_group)
     engine = EngineSpec(
         model_dir=model_dir,
         max_batch_size=cfg.model.max_batch_size,
@@ -201,13 +227,16 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         work,
         engine,
         version=start_version,
+        first_step=first_step,
         drain_timeout_s=sc.drain_timeout_s,
         step_timeout_s=sc.step_timeout_s,
         shuffle_buffer=sc.shuffle_buffer,
         seed=sc.seed,
+        heal_timeout_s=cfg.cluster.heal_timeout_s,
+        # a rollout ends by its own timeout; processing and the margins on top
+        job_timeout_s=r.timeout_s + sc.drain_timeout_s + 600,
     )
-    work.by_cell_id = {ex.cell_id(i): a for i, a in enumerate(ex.addrs)}
-    held = HeldOut(run_id, cfg, store, gateway, start_version)  # held-out evaluations
+    held = HeldOut(run_id, cfg, store, gateway, start_version, first_step, steps)
     roles = coord.state().cells
     ex.start(tuple(c.role for c in roles), f"{sc.mode}: initial roles")
     logger.info(
@@ -220,15 +249,21 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
         sc.groups_per_cell,
     )
     DaskEvent(stop_event).clear()
-    bar = tqdm(total=cfg.train.steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
+    # the gateway's admin token reaches the rollout tasks through the Dask scheduler: a
+    # Prefect parameter would show it in the UI
+    token = Variable(admin_token_variable(run_id), client=cells.client)
+    token.set(gateway.admin_token)
+    bar = tqdm(total=steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
+    progress = Progress(run_id, first_step, steps)
     t0 = time.monotonic()
     decisions = 0
+    interrupted = False
     try:
         while True:
             for ev in ex.events(timeout=sc.tick_s):
                 coord.handle(ev)
-            held.poll(ex)
-            if ex.stats.steps >= cfg.train.steps:
+            held.poll(ex)  # held-out evaluations (flows/evaluation.py)
+            if ex.stats.steps >= steps:
                 break
             state = coord.state()
             for d in coord.handle(Tick(time.monotonic() - t0)):
@@ -237,20 +272,31 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
                 ex.apply(d, explain(d, state, cfg))
             if bar.n != ex.stats.steps:
                 bar.update(ex.stats.steps - bar.n)
+                progress.update(ex.stats.steps, _reward(ex))
                 s = coord.state()
                 bar.set_postfix_str(
                     f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
                     f"{s.count('rollout')}R/{s.count('train')}T"
                 )
+    except BaseException:
+        interrupted = True  # Ctrl-C, SIGTERM, or a failure: stop quickly
+        raise
     finally:
         bar.close()
         DaskEvent(stop_event).set()
-        _drain(ex, cfg, logger)
+        _drain(ex, cfg, logger, bound=STOP_DRAIN_S if interrupted else None)
         try:
-            if ex.stats.steps >= cfg.train.steps:
+            if not interrupted and ex.stats.steps >= steps:
                 held.finish(ex)  # the final version's held-out evaluation
+        except Exception:  # training is done and committed: the run still ends well
+            logger.exception("the final held-out evaluation failed")
         finally:
             ex.close()
+            try:  # no use once the run's gateway stops: leave none behind on the scheduler
+                token.delete()
+            except Exception as exc:
+                logger.warning("could not delete the admin token variable: %s", exc)
+    progress.update(ex.stats.steps, _reward(ex))  # the last step ends the loop before the bar
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
     logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])
@@ -265,9 +311,15 @@ def schedule(run_id: str, cfg: RunConfig, store: Store, start_version: int) -> d
     }
 
 
-def _drain(ex: Executor, cfg: RunConfig, logger) -> None:
+def _reward(ex: Executor) -> float | None:
+    last = getattr(ex, "last_step", None)
+    return None if last is None else (last.metrics or {}).get("train/reward_mean")
+
+
+def _drain(ex: Executor, cfg: RunConfig, logger, bound: float | None = None) -> None:
     """Wait (bounded) for the rollouts the stop event ends; what is left is reported."""
-    bound = cfg.scheduler.drain_timeout_s + cfg.rollout.timeout_s + 30
+    if bound is None:
+        bound = cfg.scheduler.drain_timeout_s + cfg.rollout.timeout_s + 30
     deadline = time.monotonic() + bound
     jobs = [g.job for g in ex.groups.values() if g.job is not None]
     while jobs and time.monotonic() < deadline:

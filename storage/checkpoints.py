@@ -1,12 +1,16 @@
 """Versioned checkpoints in the store: ``checkpoints/{run_id}/v{N}/`` (safetensors + config +
 tokenizer, and the trainer's optimizer state).
 
-A checkpoint is complete once its ``COMPLETE`` marker exists (written last), so
-an engine never loads a half-copied version. Version 0 is the initial model.
+A checkpoint exists once its ``COMPLETE`` marker does (written last, in one atomic write),
+so an engine never loads a half-copied version. Version 0 is the initial model. For a
+version made by an optimizer step the marker is also the step's *commit record*
+(storage/commits.py): the files are staged first (``stage_checkpoint``), then one write of
+the marker commits the checkpoint, the step, and the samples it consumed together.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,10 +28,39 @@ def checkpoint_relpath(run_id: str, version: int) -> str:
 
 def publish_checkpoint(store: Store, run_id: str, local_dir: str, version: int) -> str:
     """Copy a local checkpoint dir into the store as ``version``; returns its store URL."""
+    stage_checkpoint(store, run_id, local_dir, version)
+    return commit_checkpoint(store, run_id, version)
+
+
+def stage_checkpoint(store: Store, run_id: str, local_dir: str, version: int) -> str:
+    """Copy a checkpoint's files into the store, not yet visible (no marker); a later
+    attempt of the same version overwrites them. Returns the store URL it will have."""
     rel = checkpoint_relpath(run_id, version)
     store.put_dir(local_dir, rel)
-    store.write_bytes(f"{rel}/{_MARK}", str(version).encode())
     return store.full_url(rel)
+
+
+def commit_checkpoint(store: Store, run_id: str, version: int, record: dict | None = None) -> str:
+    """Make a staged checkpoint visible: one atomic write of its marker, which carries
+    ``record`` (a step's commit record) when given. Returns the checkpoint's store URL."""
+    rel = checkpoint_relpath(run_id, version)
+    body = str(version) if record is None else json.dumps({"version": version, **record})
+    store.write_bytes(f"{rel}/{_MARK}", body.encode())
+    return store.full_url(rel)
+
+
+def read_commit(store: Store, run_id: str, version: int) -> dict | None:
+    """The commit record in version ``version``'s marker; None if the version is not
+    committed or was not made by a step (version 0, a copied model)."""
+    try:
+        body = store.read_bytes(f"{checkpoint_relpath(run_id, version)}/{_MARK}")
+    except FileNotFoundError:
+        return None
+    try:
+        rec = json.loads(body)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def versions(store: Store, run_id: str) -> list[int]:

@@ -32,7 +32,7 @@ from tasks.env.config import RolloutConfig
 from tasks.env.harness import make_harness
 from tasks.env.heldout import EvalConfig
 from tasks.env.suite import HarnessContext, Outcome, SubtaskScore, load_suite
-from tasks.rollout import harness_settings, new_session, run_session
+from tasks.rollout import admin_token, harness_settings, new_session, run_session
 from tasks.trajectory.scoring import Score, score_rollout
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def evaluate_version(
 @task(name="evaluate", task_run_name="evaluate-v{version}")
 def evaluate_policy(
     gateway_url: str,
-    admin_token: str,
+    admin_token_var: str,
     store: Store,
     run_id: str,
     version: int,
@@ -161,10 +161,12 @@ def evaluate_policy(
     cfg: EvalConfig,
     aggregation: str = "weighted_mean",
 ) -> EvalDone:
-    """Held-out reward of policy ``version``: one greedy session per seed on ``cell_id``."""
+    """Held-out reward of policy ``version``: one greedy session per seed on ``cell_id``.
+
+    ``admin_token_var``: the Dask Variable holding the gateway's admin token."""
     done = evaluate_version(
         gateway_url,
-        admin_token,
+        admin_token(admin_token_var),
         store,
         run_id,
         version=version,

@@ -242,19 +242,35 @@ def roll_out_group(
     return handles
 
 
+def admin_token_variable(run_id: str) -> str:
+    """The Dask Variable holding a run's gateway admin token. Secrets travel to the cells
+    through the cluster's scheduler, never as Prefect parameters (which the UI shows)."""
+    return f"gyre-admin-token-{run_id}"
+
+
+def admin_token(variable: str, timeout_s: float = 60.0) -> str:
+    """The admin token a run's flow put in the Dask Variable ``variable``."""
+    from distributed import Variable, get_client
+
+    return Variable(variable, client=get_client()).get(timeout=timeout_s)
+
+
 @task(name="rollout-group", task_run_name="rollout-{spec.group_id}")
 def rollout_group(
     gateway_url: str,
-    admin_token: str,
+    admin_token_var: str,
     store: Store,
     run_id: str,
     spec: GroupSpec,
     cfg: RolloutConfig,
     stop_event: str | None = None,
 ) -> list[SessionHandle]:
-    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles."""
+    """Run ``cfg.group_size`` sessions of one task concurrently; returns small handles.
+
+    ``admin_token_var``: the name of the Dask Variable holding the gateway's admin token."""
     t0 = time.monotonic()
-    handles = roll_out_group(gateway_url, admin_token, store, run_id, spec, cfg, stop_event)
+    token = admin_token(admin_token_var)
+    handles = roll_out_group(gateway_url, token, store, run_id, spec, cfg, stop_event)
     bad = [h for h in handles if h.status != "finished"]
     get_run_logger().info(
         "group %s: %d sessions, %d calls in %.1fs%s",

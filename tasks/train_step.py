@@ -8,9 +8,10 @@ all load the checkpoint), each trains a token-balanced shard with the whole batc
 normaliser, gradients are summed over members, every member applies the same update.
 
 Rank 0 then commits the step: the checkpoint of the new version, the ``ledger`` (which
-samples the step consumed, with each one's policy lag) and the ``steps`` row. A step whose
-samples are already in the ledger is refused, so a retried or replayed step never trains a
-sample twice. The lag bound (``train.max_staleness``) is enforced here, at the version the
+samples the step consumed, with each one's policy lag) and the ``steps`` row, as one atomic
+write (storage/commits.py: a crash before it leaves nothing, a crash after it leaves a
+committed step). A step whose samples are already in the ledger is refused, so a retried or
+replayed step never trains a sample twice. The lag bound (``train.max_staleness``) is enforced here, at the version the
 step starts from: older tokens are dropped (``stale_policy=drop``) or importance-corrected
 (``is``).
 """
@@ -30,7 +31,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from infra.cells.cluster import cell_name, this_cell
-from storage.checkpoints import fetch_checkpoint, latest_version, publish_checkpoint
+from storage.checkpoints import fetch_checkpoint, latest_version, stage_checkpoint
+from storage.commits import commit_step_record, roll_forward
 from storage.store import Store
 from tasks.handles import TrainedStep
 from tasks.train import dp
@@ -117,6 +119,9 @@ def get_trainer(store: Store, run_id: str, cfg: TrainConfig, holder: Any = None)
 
 
 def _check_ledger(store: Store, run_id: str, step: int, samples: list[Sample]) -> None:
+    """Refuse samples an earlier committed step consumed (after completing the rows of a
+    step whose commit a crash interrupted: storage/commits.py)."""
+    roll_forward(store, run_id)
     ledger = store.read("ledger")
     if not ledger.num_rows:
         return
@@ -146,58 +151,52 @@ def commit_step(
     generation: int = 0,
     mode: str = "",
 ) -> TrainedStep:
-    """Publish the new version's checkpoint, then the ledger and the step's row."""
+    """Stage the new version's checkpoint, then commit it together with the step's ledger
+    rows and ``steps`` row in one atomic write (storage/commits.py)."""
     version = trainer.version
     with tempfile.TemporaryDirectory(prefix="gyre-ckpt-") as tmp:
         trainer.save(tmp)
-        url = publish_checkpoint(store, run_id, tmp, version)
+        url = stage_checkpoint(store, run_id, tmp, version)
     t1 = time.time()
     lags = [sample_lag(s, start_version) for s in samples]
     n_tok = sum(n for _, _, n in lags)
     lag_mean = sum(m * n for m, _, n in lags if n) / n_tok if n_tok else 0.0
     lag_max = max((x for _, x, n in lags if n), default=0)
-    store.append(
-        "ledger",
-        [
-            {
-                "run_id": run_id,
-                "step": step,
-                "sample_id": s.sample_id,
-                "weight_version": version,
-                "t": t1,
-                "lag_mean": None if math.isnan(lm) else lm,
-                "lag_max": lx if n else None,
-            }
-            for s, (lm, lx, n) in zip(samples, lags, strict=True)
-        ],
-    )
-    store.append(
-        "steps",
-        [
-            {
-                "run_id": run_id,
-                "step": step,
-                "weight_version": version,
-                "loss": metrics["train/loss"],
-                "tokens": int(metrics["train/tokens"]),
-                "trainable_tokens": int(metrics["train/trainable_tokens"]),
-                "reward": metrics["train/reward_mean"],
-                "n_samples": len(samples),
-                "grad_norm": metrics["train/grad_norm"],
-                "mean_staleness": lag_mean,
-                "cells": list(members),
-                "t_start": t_start,
-                "t_end": t1,
-                "checkpoint": url,
-                "lag_mean": lag_mean,
-                "lag_max": lag_max,
-                "n_members": len(members),
-                "generation": generation,
-                "mode": mode,
-                "dropped_tokens": int(metrics.get("train/dropped_stale_tokens", 0)),
-            }
-        ],
-    )
+    ledger = [
+        {
+            "run_id": run_id,
+            "step": step,
+            "sample_id": s.sample_id,
+            "weight_version": version,
+            "t": t1,
+            "lag_mean": None if math.isnan(lm) else lm,
+            "lag_max": lx if n else None,
+        }
+        for s, (lm, lx, n) in zip(samples, lags, strict=True)
+    ]
+    row = {
+        "run_id": run_id,
+        "step": step,
+        "weight_version": version,
+        "loss": metrics["train/loss"],
+        "tokens": int(metrics["train/tokens"]),
+        "trainable_tokens": int(metrics["train/trainable_tokens"]),
+        "reward": metrics["train/reward_mean"],
+        "n_samples": len(samples),
+        "grad_norm": metrics["train/grad_norm"],
+        "mean_staleness": lag_mean,
+        "cells": list(members),
+        "t_start": t_start,
+        "t_end": t1,
+        "checkpoint": url,
+        "lag_mean": lag_mean,
+        "lag_max": lag_max,
+        "n_members": len(members),
+        "generation": generation,
+        "mode": mode,
+        "dropped_tokens": int(metrics.get("train/dropped_stale_tokens", 0)),
+    }
+    commit_step_record(store, run_id, step, version, ledger, row)
     metrics = {**metrics, "train/lag_mean": lag_mean, "train/lag_max": float(lag_max)}
     return TrainedStep(step=step, weight_version=version, checkpoint=url, metrics=metrics)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "gyre-cell"
 ROLES = ("rollout", "train", "draining", "loading", "idle")
+CLOSE_TIMEOUT_S = 60.0  # how long cells get to stop their engines and leave
+
+
+class CellLost(RuntimeError):
+    """The worker process of a cell is gone (killed, crashed, its node lost)."""
 
 
 class CellPlugin(WorkerPlugin):
@@ -51,12 +57,16 @@ class CellPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         self.worker_address = worker.address
         self.lock = threading.RLock()
+        if threading.current_thread() is threading.main_thread():
+            # Ctrl-C in a terminal reaches the whole process group: the run's process stops
+            # the cells in order; a cell must not die on its own first (its nanny would
+            # restart it mid-shutdown)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def teardown(self, worker) -> None:
+        # the DP group is not destroyed here: a step still running when the worker is asked
+        # to close (a run stopped by Ctrl-C) finishes first; the process exit ends the group
         self.stop_engine()
-        if self.dp is not None:
-            self.dp.close()
-            self.dp = None
 
     def stop_engine(self) -> None:
         with self.lock or threading.RLock():
@@ -96,6 +106,14 @@ class Cells:
     def scheduler_address(self) -> str:
         return self.client.scheduler.address
 
+    @property
+    def dashboard_link(self) -> str | None:
+        """The Dask dashboard of the cells' scheduler (None if it serves none)."""
+        try:
+            return self.client.dashboard_link
+        except Exception:  # no dashboard service (bokeh missing, or turned off)
+            return None
+
     def cell_id(self, address: str) -> str:
         return cell_name(address)
 
@@ -110,24 +128,65 @@ class Cells:
         """
         if role not in ROLES:
             raise ValueError(f"role {role!r}: use one of {ROLES}")
+        self._check_alive(address)
         resources = {
             "rollout": self.rollout_slots if role == "rollout" else 0.0,
             "train": 1.0 if role == "train" else 0.0,
             "harness": self.harness_slots,
         }
-        self.client.run(_set_resources, resources, workers=[address], callback_timeout=60)
+        self._run(address, _set_resources, resources, timeout=60)
         self.roles[address] = role
 
     def run_on(self, address: str, fn, *args, **kwargs) -> Any:
         """Run ``fn(plugin, *args, **kwargs)`` on one cell, off the worker's event loop."""
-        out = self.client.run(
-            _call_on_plugin, fn, args, kwargs, workers=[address], callback_timeout=600
-        )
+        self._check_alive(address)
+        return self._run(address, _call_on_plugin, fn, args, kwargs, timeout=600)
+
+    def _run(self, address: str, fn, *args, timeout: float) -> Any:
+        try:
+            out = self.client.run(fn, *args, workers=[address], callback_timeout=timeout)
+        except (OSError, KeyError) as exc:
+            # a worker that died under the call: say so (a retry on its successor may work)
+            if address not in self.workers():
+                raise CellLost(f"cell {cell_name(address)}: its worker is gone ({exc})") from exc
+            raise
+        if address not in out:
+            raise CellLost(f"cell {cell_name(address)}: its worker did not answer")
         return out[address]
+
+    def _check_alive(self, address: str) -> None:
+        # a call to a vanished worker would wait out Dask's 30 s connect timeout
+        if address not in self.workers():
+            raise CellLost(f"cell {cell_name(address)}: its worker is gone")
+
+    def workers(self) -> set[str]:
+        """Addresses of every worker the scheduler knows now (cells and spares)."""
+        return set(self.client.scheduler_info(n_workers=-1)["workers"])
 
     def alive(self) -> set[str]:
         """Addresses of the cells the scheduler still knows (a dead cell drops out)."""
-        return set(self.client.scheduler_info()["workers"]) & set(self.roles)
+        return self.workers() & set(self.roles)
+
+    def rebind(self, old: str, new: str, role: str = "idle") -> None:
+        """Worker ``new`` takes the place of the cell that ``old`` held (which died)."""
+        self.roles.pop(old, None)
+        self.roles[new] = role
+
+    def task_state(self, key: Any) -> str:
+        """What the scheduler says of a task (for errors that name what was waited for)."""
+        return self.client.run_on_scheduler(_task_state, key)
+
+    def pids(self) -> dict[str, int]:
+        """Each worker's process id (tests kill cells by it)."""
+        return self.client.run(os.getpid)
+
+
+def _task_state(key: Any, dask_scheduler=None) -> str:
+    ts = dask_scheduler.tasks.get(key)
+    if ts is None:
+        return "not known to the scheduler"
+    where = f" on {ts.processing_on.address}" if ts.processing_on is not None else ""
+    return f"{ts.state}{where}"
 
 
 async def _set_resources(resources: dict[str, float], dask_worker=None) -> None:
@@ -188,24 +247,56 @@ def start_cells(
             cells.set_role(a, "idle")
         yield cells
     finally:
-        t0 = time.monotonic()
+        stop_cells(client, cluster)
+
+
+def stop_cells(client: Client, cluster: LocalCluster | None, timeout: float = CLOSE_TIMEOUT_S):
+    """Stop every cell's engine, then let the workers leave on their own (bounded).
+
+    Never raises: a run whose training is done must not fail while tearing down. A
+    LocalCluster's nannies get ``timeout`` seconds for their worker processes to exit
+    (Dask's default is 4 s, after which it kills them); an external cluster's workers are
+    left running with their engines stopped.
+    """
+    t0 = time.monotonic()
+    try:
+        client.run(_stop_engine, callback_timeout=timeout, on_error="return")
+    except Exception as exc:  # best effort: workers may already be gone
+        log.warning("stopping engines: %s", exc)
+    if cluster is not None:
         try:
-            client.run(_stop_engine, callback_timeout=60)
-        except Exception as exc:  # best effort: workers may already be gone
-            log.warning("stopping engines: %s", exc)
-        client.close()
-        if cluster is not None:
-            cluster.close()
-        log.info("cells stopped in %.1fs", time.monotonic() - t0)
+            cluster.sync(_close_nannies, cluster, timeout)
+        except Exception as exc:
+            log.warning("closing cells: %s: %s", type(exc).__name__, exc)
+    try:
+        client.close(timeout=timeout)
+    except Exception as exc:
+        log.warning("closing the Dask client: %s: %s", type(exc).__name__, exc)
+    if cluster is not None:
+        try:
+            cluster.close(timeout=timeout)
+        except Exception as exc:
+            log.warning("closing the cluster: %s: %s", type(exc).__name__, exc)
+    log.info("cells stopped in %.1fs", time.monotonic() - t0)
+
+
+async def _close_nannies(cluster: LocalCluster, timeout: float) -> None:
+    nannies = [w for w in cluster.workers.values() if hasattr(w, "close")]
+    results = await asyncio.gather(
+        *(w.close(timeout=timeout, reason="gyre: run ended") for w in nannies),
+        return_exceptions=True,
+    )
+    for r in results:
+        if isinstance(r, BaseException):
+            log.warning("a cell did not close cleanly: %s: %s", type(r).__name__, r)
 
 
 def _stop_engine(dask_worker=None) -> None:
+    # the DP group is left to the plugin's teardown: a step still running (a run stopped by
+    # Ctrl-C) finishes its collectives first
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
     if plugin is not None:
         plugin.stop_engine()
-        if plugin.dp is not None:
-            plugin.dp.close()
-            plugin.dp = None
 
 
 def default_worker_env() -> dict[str, str]:

@@ -25,6 +25,13 @@ class ClusterConfig(BaseModel):
     scheduler_address: str | None = Field(
         None, description="tcp://host:8786 of an external `dask scheduler`; None = LocalCluster"
     )
+    heal_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description="a cell whose worker died must get a new worker within this (the nanny "
+        "restarts it), else the run stops with an error",
+    )
 
     @field_validator("memory_limit")
     @classmethod

@@ -23,11 +23,22 @@ Control-plane actions run on a small thread pool so the loop never blocks on a d
 weight load; units of work are started on the caller's thread (Prefect submits need the
 flow's context). Every decision and role change is appended to the ``cells`` dataset with
 its reason; every wait has a bound and its error names what it waited for.
+
+Faults (the coordinator never sees them; `infra.cells.membership` keeps the books): a cell
+whose worker process dies is *lost*: the gateway stops routing to its engine (its sessions'
+next calls re-prefill on another cell), a step it was in is aborted (the DP rendezvous is
+replaced so the survivors stop at once) and an action on it waits for the cell to heal. The
+worker the cluster gains next (the nanny restarts a killed worker) takes the lost cell's
+place and role: a rollout cell's engine starts with the newest weights before the gateway
+routes to it. The aborted step is then retried, the same step on the same samples from the
+same version, unless it committed before the loss (storage/commits.py). Rollout and
+processing tasks that died with a worker are rerun by Dask; each has a deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
 import threading
@@ -36,11 +47,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from infra.cells.cluster import Cells
+from infra.cells.cluster import ROLES, CellLost, Cells
 from infra.cells.engines import engine_stats, load_weights, park_engine, start_engine
+from infra.cells.membership import Membership
+from storage.checkpoints import read_commit
+from storage.commits import roll_forward
 from storage.store import Store
 from tasks.sched.coordinator import (
     Decision,
@@ -72,6 +86,8 @@ class Job(Protocol):
 
     def add_done_callback(self, fn: Callable[[], None]) -> None: ...
 
+    def cancel(self) -> None: ...
+
 
 class Work(Protocol):
     """How the executor starts units of work; the flow implements it with Prefect tasks."""
@@ -80,7 +96,7 @@ class Work(Protocol):
 
     def process(self, index: int, sessions: Any, version: int) -> Job: ...
 
-    def step(self, plan: StepPlan) -> list[Job]: ...
+    def step(self, plan: StepPlan) -> list[Job]: ...  # one job per member, on plan.workers
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,17 @@ class Group:
     sessions: Any = None
     processed: Any = None  # ProcessedStep-like: samples_segment, sample_ids, n_samples
     t_done: float = 0.0
+    deadline: float = math.inf  # monotonic: its rollout or processing must be done by then
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A step found committed in the store (its member was lost after the commit)."""
+
+    step: int
+    weight_version: int
+    checkpoint: str
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +152,9 @@ class Stats:
     groups_done: int = 0
     switch_latency_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    cells_lost: int = 0
+    cells_healed: int = 0
+    step_retries: int = 0
 
 
 class Executor:
@@ -140,12 +170,22 @@ class Executor:
         engine: EngineSpec,
         *,
         version: int = 0,
+        first_step: int = 0,
         drain_timeout_s: float = 60.0,
         step_timeout_s: float = 600.0,
         shuffle_buffer: int = 0,
         seed: int = 0,
         dp_host: str = "127.0.0.1",
+        heal_timeout_s: float = 120.0,
+        job_timeout_s: float = 3600.0,
+        max_step_retries: int = 2,
+        watch_s: float = 1.0,
     ):
+        """``heal_timeout_s``: how long a lost cell may wait for a worker to take its place
+        before the run stops; ``job_timeout_s``: bound on one rollout or processing task
+        (from its start, or from the loss of a cell, whose tasks Dask reruns);
+        ``max_step_retries``: retries of one step after losing members; ``watch_s``: how
+        often the cluster's workers are looked at."""
         self.cells = cells
         self.gateway = gateway
         self.store = store
@@ -154,8 +194,19 @@ class Executor:
         self.engine = engine
         self.addrs = sorted(cells.roles)
         self.version = version
+        self.version0 = version  # the coordinator counts versions from 0: this is its 0
+        self.first_step = first_step  # a resumed run's step numbers continue
         self.drain_timeout_s = drain_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.heal_timeout_s = heal_timeout_s
+        self.job_timeout_s = job_timeout_s
+        self.max_step_retries = max_step_retries
+        self.watch_s = watch_s
+        self.membership = Membership(self.addrs, heal_timeout_s)  # shares self.addrs
+        self.lost_addr: dict[int, str] = {}
+        self._cell_locks = [threading.RLock() for _ in self.addrs]
+        self._watched = 0.0
+        self._closing = threading.Event()
         self.shuffle_buffer = shuffle_buffer
         self.rng = random.Random(seed)
         self.stats = Stats()
@@ -174,11 +225,14 @@ class Executor:
         self.step_plan: StepPlan | None = None
         self.step_cells: tuple[int, ...] = ()
         self.step_t0 = 0.0
+        self.step_token = 0  # member callbacks of an aborted attempt are ignored
+        self.step_attempt = 0
+        self.step_retry: tuple[float, str] | None = None  # (since, why) while aborted
         self.t0 = time.time()
         self.timeline: list[dict[str, Any]] = []  # role intervals and marks, for the report
         self._q: queue.Queue = queue.Queue()
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(4, len(self.addrs)), thread_name_prefix="gyre-exec"
+        self._pool = ThreadPoolExecutor(  # an action waiting for its cell to heal holds one
+            max_workers=4 + 2 * len(self.addrs), thread_name_prefix="gyre-exec"
         )
         self._lock = threading.Lock()
         self._pins: dict[int, threading.Event] = {}  # cells held for an evaluation
@@ -219,6 +273,10 @@ class Executor:
             f.result(timeout=600)
 
     def _join(self, i: int, role: str, reason: str) -> None:
+        with self._cell_locks[i]:
+            self._join_locked(i, role, reason)
+
+    def _join_locked(self, i: int, role: str, reason: str) -> None:
         if role == "rollout":
             self.cells.set_role(self.addrs[i], "loading")
             self._serve(i)
@@ -228,6 +286,7 @@ class Executor:
 
     def close(self) -> None:
         """Record every cell leaving; the pool stops (pending actions are bounded waits)."""
+        self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
             self.record(i, "leave", role, "run ended")
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -250,10 +309,11 @@ class Executor:
             raise ExecutorError(f"unknown decision {d!r}")
 
     def events(self, timeout: float) -> list[Event]:
-        """Events since the last call (waits up to ``timeout`` for the first one)."""
-        out: list[Event] = []
+        """Events since the last call (waits up to ``timeout`` for the first one); looks
+        at the cluster's workers first (losses, replacements, deadlines)."""
+        out: list[Event] = self._watch()
         try:
-            item = self._q.get(timeout=timeout)
+            item = self._q.get(timeout=0 if out else timeout)
         except queue.Empty:
             return out
         while True:
@@ -267,7 +327,7 @@ class Executor:
     def _start_group(self, cell: int) -> None:
         idx = self.next_index
         self.next_index += 1
-        g = Group(idx, cell, time.time())
+        g = Group(idx, cell, time.time(), deadline=time.monotonic() + self.job_timeout_s)
         self.groups[idx] = g
         g.job = self.work.rollout(idx, self.cell_id(cell))
         self.stats.groups_started += 1
@@ -289,6 +349,7 @@ class Executor:
                 self.gateway.end_session(h.session_id)
             self.gateway.flush()  # every answered call is in the store before processing
             g.phase = "process"
+            g.deadline = time.monotonic() + self.job_timeout_s
             g.job = self.work.process(g.index, g.sessions, self.version)
             g.job.add_done_callback(lambda idx=g.index: self._q.put(("processed", idx)))
             return []
@@ -308,12 +369,12 @@ class Executor:
             _, i, v = item
             return [WeightsLoaded(i, v)]
         if kind == "member":
-            for j in self.step_jobs:
-                if j.done():
-                    j.result()  # a failed member stops the run now, not at the DP timeout
-            if self.step_jobs and all(j.done() for j in self.step_jobs):
-                return self._finish_step()
-            return []
+            if item[1] != self.step_token or self.step_retry is not None:
+                return []  # an aborted attempt's member
+            return self._member_done()
+        if kind == "healed":
+            self.stats.cells_healed += 1
+            return self._watch(force=True)
         if kind == "error":
             _, what, exc = item
             raise ExecutorError(f"{what} failed: {exc}") from exc
@@ -332,6 +393,7 @@ class Executor:
             g.phase = "buffered"
             self.buffer[g.index] = g
             v = getattr(g.processed, "version_min", -1)
+            v = v - self.version0 if v >= 0 else -1  # in the coordinator's count
             out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
         return out
 
@@ -365,8 +427,16 @@ class Executor:
                 if ev is None:
                     self._acting.add(i)
                     break
-            if not ev.wait(self.step_timeout_s):
-                log.warning("cell %s pinned past %.0fs: unpinned", self.cell_id(i), self.step_timeout_s)
+            deadline = time.monotonic() + self.step_timeout_s
+            while not ev.is_set() and not self._closing.is_set():
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "cell %s pinned past %.0fs: unpinned", self.cell_id(i), self.step_timeout_s
+                    )
+                    self.unpin(i)
+                    break
+                ev.wait(0.5)
+            if self._closing.is_set():
                 self.unpin(i)
         try:
             yield
@@ -390,12 +460,211 @@ class Executor:
         self._pool.submit(self._guard, ("move", i), fn, i, t, reason)
 
     def _guard(self, what: tuple, fn, *args) -> None:
+        """Run a control-plane action on cell ``what[1]`` under its lock; if the cell's
+        worker died under it, wait (bounded) for the cell to heal and run it again there."""
+        i = what[1]
+        for _ in range(3):
+            addr = self.addrs[i]
+            try:
+                with self._acting_on(i), self._cell_locks[i]:
+                    fn(*args)
+                return
+            except Exception as exc:
+                if isinstance(exc, CellLost) or not self._alive(addr):
+                    log.warning("%s of cell %d: its worker %s is gone (%s)", what[0], i, addr, exc)
+                    if self._wait_healed(i, addr):
+                        continue
+                    exc = ExecutorError(
+                        f"{what[0]} of cell {i}: its worker {addr} was lost and no worker took "
+                        f"its place within {self.heal_timeout_s:.0f}s"
+                    )
+                log.exception("executor action %s failed", what)
+                self._q.put(("error", f"{what[0]} of cell {i}", exc))
+                return
+        self._q.put(("error", f"{what[0]} of cell {i}", ExecutorError("lost 3 times in a row")))
+
+    def _alive(self, addr: str) -> bool:
         try:
-            with self._acting_on(what[1]):
-                fn(*args)
+            return addr in self.cells.workers()
+        except Exception:  # the scheduler itself is unreachable: not a cell fault
+            return True
+
+    def _wait_healed(self, i: int, addr: str) -> bool:
+        """Wait until cell ``i`` runs on a worker other than ``addr`` with its role back."""
+        deadline = time.monotonic() + self.heal_timeout_s + 30
+        while time.monotonic() < deadline and not self._closing.is_set():
+            if self.addrs[i] != addr and not self.membership.is_lost(i):
+                return True
+            time.sleep(0.1)
+        return False
+
+    # -- faults ---------------------------------------------------------------------------
+    def _watch(self, force: bool = False) -> list[Event]:
+        """Look at the cluster's workers (at most every ``watch_s``): lost cells, their
+        replacements, overdue heals, rollout/processing deadlines, an aborted step."""
+        now = time.monotonic()
+        if not force and now - self._watched < self.watch_s:
+            return []
+        self._watched = now
+        try:
+            alive = self.cells.workers()
+        except Exception as exc:  # the scheduler is unreachable: say so, try again next tick
+            log.warning("cannot list the cluster's workers: %s", exc)
+            return []
+        lost_addr = {i: self.addrs[i] for i in range(len(self.addrs))}
+        obs = self.membership.observe(alive, now)
+        for i in obs.lost:
+            self._on_lost(i, lost_addr[i])
+        for i, addr in obs.heal:
+            log.warning("cell %d: worker %s takes the place of %s", i, addr, self.lost_addr[i])
+            self._pool.submit(self._guard_heal, i, addr)
+        if obs.overdue:
+            i, t = obs.overdue[0]
+            raise ExecutorError(
+                f"cell {i} (worker {self.lost_addr.get(i)}) was lost {t:.0f}s ago and no worker "
+                f"took its place (bound {self.heal_timeout_s:.0f}s); restart a worker or add one"
+            )
+        for g in self.groups.values():
+            late = g.phase in ("rollout", "process") and g.job is not None and now > g.deadline
+            if late and not g.job.done():
+                raise ExecutorError(
+                    f"{g.phase} of group g{g.index} not done {self.job_timeout_s:.0f}s after "
+                    f"it started (its Dask task: {self._describe(g.job)}); check the cells"
+                )
+        if self.step_jobs and self.step_retry is None:
+            bound = self.step_timeout_s + self.heal_timeout_s
+            late = time.time() - self.step_t0 - bound
+            if late > 0 and not all(j.done() for j in self.step_jobs):
+                states = ", ".join(self._describe(j) for j in self.step_jobs)
+                raise ExecutorError(
+                    f"step {self.step_plan.step} not done {bound:.0f}s after it started "
+                    f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
+                )
+        return self._maybe_retry_step(now)
+
+    def _describe(self, job: Job) -> str:
+        key = getattr(job, "key", None)
+        if key is None:
+            return "unknown"
+        try:
+            return self.cells.task_state(key)
         except Exception as exc:
-            log.exception("executor action %s failed", what)
-            self._q.put(("error", f"{what[0]} of cell {what[1]}", exc))
+            return f"unknown ({exc})"
+
+    def _on_lost(self, i: int, addr: str) -> None:
+        """Cell ``i``'s worker ``addr`` is gone: stop routing to it, abort its step, and
+        give the tasks Dask reruns elsewhere a fresh deadline."""
+        self.lost_addr[i] = addr
+        self.stats.cells_lost += 1
+        cid = self.cells.cell_id(addr)
+        log.warning("cell %d (%s, role %s): its worker is gone", i, cid, self.roles[i])
+        self.record(i, "lost", self.roles[i], "its worker process is gone", f"worker {addr}")
+        try:
+            self.gateway.drop_engine(cid)  # sessions re-prefill elsewhere at their next call
+        except Exception as exc:
+            log.warning("dropping the engine of %s: %s", cid, exc)
+        now = time.monotonic()
+        for g in self.groups.values():
+            if g.phase in ("rollout", "process"):
+                g.deadline = max(g.deadline, now + self.job_timeout_s)
+        if self.step_jobs and i in self.step_cells and self.step_retry is None:
+            self._abort_step(f"member cell {cid} was lost")
+
+    def _guard_heal(self, i: int, addr: str) -> None:
+        try:
+            with self._cell_locks[i]:
+                self._heal(i, addr)
+        except Exception as exc:
+            if isinstance(exc, CellLost) or not self._alive(addr):
+                log.warning("cell %d: its new worker %s died too (%s)", i, addr, exc)
+                self.membership.heal_failed(i)
+                return
+            log.exception("healing cell %d failed", i)
+            self._q.put(("error", f"heal of cell {i}", exc))
+
+    def _heal(self, i: int, addr: str) -> None:
+        """Worker ``addr`` takes lost cell ``i``'s place and role (a rollout cell serves the
+        newest weights before the gateway routes to it); a move or load that was under way
+        is finished by the action itself, which waits for this."""
+        old = self.lost_addr[i]
+        self.cells.rebind(old, addr)
+        self.engine_url.pop(i, None)
+        self.engine_version.pop(i, None)
+        self.routed.discard(i)
+        role = self.roles[i]
+        if role == "rollout":
+            self.cells.set_role(addr, "loading")
+            self._serve(i)
+        self.cells.set_role(addr, role if role in ROLES else "idle")
+        if role == "train":
+            self.dp_left = True  # the next step forms a new group with the newcomer
+        self.membership.healed(i)
+        self.record(i, "rejoin", role, f"worker {old} was lost", f"worker {addr}")
+        self._q.put(("healed", i))
+
+    def _abort_step(self, why: str) -> None:
+        """Stop the running step's attempt: cancel members that have not started, and
+        replace the DP rendezvous so members waiting to meet fail at once (members inside
+        a collective fail when their peer's connection closes)."""
+        plan = self.step_plan
+        self.step_retry = (time.monotonic(), why)
+        self.stats.step_retries += 1
+        for j in self.step_jobs:
+            if not j.done():
+                j.cancel()
+        self._dp_store, self.dp_port = host_store(self.dp_host, 0, timeout_s=self.step_timeout_s)
+        log.warning("step %d (attempt %d) aborted: %s", plan.step, self.step_attempt, why)
+        for i in self.step_cells:
+            self.record(i, "step_abort", self.roles[i], why, f"step {plan.step}")
+
+    def _maybe_retry_step(self, now: float) -> list[Event]:
+        """Retry an aborted step once its old members have stopped and its cells are back."""
+        if self.step_retry is None:
+            return []
+        since, why = self.step_retry
+        running = [j for j in self.step_jobs if not j.done()]
+        lost = [i for i in self.step_cells if self.membership.is_lost(i)]
+        if running or lost:
+            bound = self.heal_timeout_s + self.step_timeout_s
+            if now - since > bound:
+                raise ExecutorError(
+                    f"step {self.step_plan.step}: its retry waited {now - since:.0f}s (bound "
+                    f"{bound:.0f}s) for {len(running)} old member(s) to stop and cells {lost} "
+                    "to come back"
+                )
+            return []
+        self.step_retry = None
+        plan = self.step_plan
+        rec = read_commit(self.store, self.run_id, plan.version + 1)
+        if rec is not None and rec.get("step") == plan.step and rec.get("run_id") == self.run_id:
+            roll_forward(self.store, self.run_id)
+            log.warning("step %d had committed before the loss: not trained again", plan.step)
+            row = rec["steps"]
+            metrics = {f"train/{k}": row[k] for k in ("loss", "tokens", "grad_norm", "lag_mean")}
+            metrics["train/reward_mean"] = row["reward"]
+            done = CommittedStep(plan.step, plan.version + 1, row["checkpoint"], metrics)
+            return self._finish_step([done])
+        self.step_attempt += 1
+        if self.step_attempt > self.max_step_retries:
+            raise ExecutorError(
+                f"step {plan.step}: {self.step_attempt} attempts lost members ({why}); giving up"
+            )
+        self.generation += 1
+        self.members, self.dp_left = tuple(self.cell_id(i) for i in self.step_cells), False
+        plan = replace(
+            plan,
+            generation=self.generation,
+            members=self.members,
+            workers=tuple(self.addrs[i] for i in self.step_cells),
+            port=self.dp_port,
+        )
+        for i in self.step_cells:
+            self.record(
+                i, "step", "train", f"retry {self.step_attempt}: {why}",
+                f"step {plan.step} gen {plan.generation}",
+            )  # fmt: skip
+        self._submit_step(plan)
+        return []
 
     def _to_train(self, i: int, t_decided: float, reason: str) -> None:
         addr = self.addrs[i]
@@ -457,6 +726,10 @@ class Executor:
         self.routed.add(i)
 
     def _load(self, i: int, version: int, report: bool = True) -> None:
+        if report and self.engine_version.get(i, -1) >= version:
+            # a healed cell already serves these weights (or newer): never go back
+            self._q.put(("loaded", i, self.engine_version[i]))
+            return
         res = self.cells.run_on(self.addrs[i], load_weights, self.store, self.run_id, version)
         if not res.get("success", False):
             raise ExecutorError(f"cell {self.cell_id(i)} could not load v{version}: {res}")
@@ -490,7 +763,7 @@ class Executor:
             self.generation += 1
             self.members, self.dp_left = members, False
         plan = StepPlan(
-            step=self.stats.steps,
+            step=self.first_step + self.stats.steps,
             version=self.version,
             generation=self.generation,
             host=self.dp_host,
@@ -501,21 +774,63 @@ class Executor:
                 g.processed.samples_segment for g in picked if g.processed.samples_segment
             ),
             shuffle_seed=self.rng.randrange(1 << 30),
+            workers=tuple(self.addrs[i] for i in d.cells),
         )
         for g in picked:
             del self.buffer[g.index]
             g.phase = "trained"
         for i in d.cells:
             self.record(i, "step", "train", reason, f"step {plan.step} gen {plan.generation}")
-        self.step_plan, self.step_cells, self.step_t0 = plan, tuple(d.cells), time.time()
+        self.step_cells, self.step_t0, self.step_attempt = tuple(d.cells), time.time(), 0
+        self._submit_step(plan)
+
+    def _submit_step(self, plan: StepPlan) -> None:
+        self.step_plan = plan
+        self.step_token += 1
+        token = self.step_token
         self.step_jobs = self.work.step(plan)
         for j in self.step_jobs:
-            j.add_done_callback(lambda: self._q.put(("member",)))
+            j.add_done_callback(lambda token=token: self._q.put(("member", token)))
 
-    def _finish_step(self) -> list[Event]:
+    def _member_done(self) -> list[Event]:
+        """A member ended: the step is done when all are; a failed member stops the run
+        now (not at the DP timeout), unless a member's cell was lost: then it is retried."""
+        for j in self.step_jobs:
+            if not j.done():
+                continue
+            try:
+                j.result()
+            except Exception as exc:
+                if self._step_cell_lost(grace_s=10.0):
+                    self._abort_step(f"a member failed after a member cell was lost: {exc}")
+                    return []
+                raise ExecutorError(f"step {self.step_plan.step}: a member failed: {exc}") from exc
+        if self.step_jobs and all(j.done() for j in self.step_jobs):
+            return self._finish_step()
+        return []
+
+    def _step_cell_lost(self, grace_s: float) -> bool:
+        """Whether a worker of the step's members is gone (the scheduler may learn of a
+        death a little after a surviving member's collective failed on it)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            if any(self.membership.is_lost(i) for i in self.step_cells):
+                return True
+            try:
+                alive = self.cells.workers()
+            except Exception:
+                alive = set(self.addrs)
+            if any(w not in alive for w in self.step_plan.workers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+    def _finish_step(self, results: list[Any] | None = None) -> list[Event]:
         jobs, plan = self.step_jobs, self.step_plan
         self.step_jobs, self.step_plan = [], None
-        results = [j.result() for j in jobs]  # a failed member raises: the run stops with it
+        if results is None:
+            results = [j.result() for j in jobs]  # a failed member raises: the run stops
         versions = {r.weight_version for r in results}
         if versions != {plan.version + 1}:
             raise ExecutorError(f"step {plan.step}: members ended at versions {versions}")

@@ -46,12 +46,14 @@ class GatewayCore:
         flush_seconds: float = 2.0,
         wal_fsync: bool = True,
         engine_transport: str | None = None,
+        engine_wait_s: float = 120.0,
     ):
         self.store = store
         self.run_id = run_id
         self.admin_token = admin_token
         self.max_body_bytes = int(max_body_bytes)
         self.default_max_tokens = int(default_max_tokens)
+        self.engine_wait_s = float(engine_wait_s)  # a call waits this long for an engine
         self.tok = ChatTokenizer(tokenizer_dir)
         self.model_name = model_name
         self.model_names = {model_name, os.path.basename(os.path.normpath(tokenizer_dir))}
@@ -140,6 +142,23 @@ class GatewayCore:
     def engines(self) -> dict:
         return self.router.info()
 
+    async def drop_engine_async(self, cell_id: str) -> None:
+        """The engine's cell is gone (its process died): route nothing more to it; its
+        sessions move at their next call and re-prefill on another cell."""
+        h = self.router.engines.get(cell_id)
+        if h is not None and h.state != "dead":
+            h.state = "dead"
+            log.warning("engine %s dropped: its cell is gone", cell_id)
+
+    async def wait_for_engine(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for an active engine; whether one is there."""
+        deadline = time.monotonic() + timeout
+        while not self.router.active():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     def max_context(self) -> int | None:
         limits = [h.max_context for h in self.router.active() if h.max_context]
         return min(limits) if limits else None
@@ -203,6 +222,8 @@ class GatewayCore:
                 with s.state_lock:
                     ctx = s.calls.context(s.last_request_id).tolist()
                 await self.router.move_kv(old, new, ctx)
+            elif s.last_request_id is not None:
+                self.router.reprefills += 1  # its KV died with the cell: the new one prefills
             self.router.assign(s.session_id, new, old)
             s.cell_id = new.cell_id
 

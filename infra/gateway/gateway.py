@@ -95,6 +95,12 @@ class Gateway(GatewayCore):
             raise RuntimeError("the gateway is not running; call start() first")
         return self._server.call(self.withdraw(cell_id, drain_timeout), timeout=drain_timeout + 600)
 
+    def drop_engine(self, cell_id: str) -> None:
+        """The engine's cell is gone: route nothing more to it (its sessions' next calls
+        re-prefill on another cell; a call with no cell left waits for one to join)."""
+        if self._server is not None:
+            self._server.call(self.drop_engine_async(cell_id), timeout=30)
+
     def end_session(self, session_id: str) -> None:
         """The session's rollout is over: its cell stops counting it, so placement ignores it
         and a withdrawal of the cell moves no KV for it (its calls stay readable)."""

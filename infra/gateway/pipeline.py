@@ -157,6 +157,8 @@ class CallPipeline:
             inp = await asyncio.to_thread(run) if s.tokens >= OFFLOAD_TOKENS else run()
         except ChatInputError as exc:
             raise bad(str(exc), param) from exc
+        if not self.gw.router.active():  # the budget needs an engine's limits: wait for one
+            await self.gw.wait_for_engine(self.gw.engine_wait_s)
         max_new = self.budget(len(inp.input_ids), gp, param)
         return Call(s, endpoint, self.new_rid(endpoint), inp, gp, max_new, parse_tools)
 
@@ -170,7 +172,11 @@ class CallPipeline:
         """max_new_tokens for a call, or a 400 when the context does not fit the model."""
         gw = self.gw
         if not gw.router.active():
-            raise ApiError(503, "no rollout engine is available", type="service_unavailable")
+            raise ApiError(
+                503,
+                f"no rollout engine is available, and none joined within {gw.engine_wait_s:.0f}s",
+                type="service_unavailable",
+            )
         limit = gw.max_context()
         if limit and n_in >= limit:
             raise ApiError(
@@ -220,10 +226,7 @@ class CallPipeline:
         version: int | None = None
         cached: int | None = None
         for attempt in range(MAX_ATTEMPTS):
-            try:
-                h = await gw.cell_for(s)
-            except NoEngineError as exc:
-                raise ApiError(503, str(exc), type="service_unavailable") from exc
+            h = await self.cell_for(s)
             erid = rid if attempt == 0 else f"{rid}-{attempt}"
             sp = gp.sampling_params(call.max_new - len(out))
             ids = np.concatenate([input_ids, np.asarray(out, np.int32)]) if out else input_ids
@@ -279,6 +282,24 @@ class CallPipeline:
             f"no engine could finish the call after {MAX_ATTEMPTS} attempts",
             type="service_unavailable",
         )
+
+    async def cell_for(self, s: Session):
+        """The session's cell; with none serving (the only rollout cell was lost, or moved
+        away), wait up to ``gw.engine_wait_s`` for one to join before answering 503."""
+        gw = self.gw
+        try:
+            return await gw.cell_for(s)
+        except NoEngineError as exc:
+            if await gw.wait_for_engine(gw.engine_wait_s):
+                try:
+                    return await gw.cell_for(s)
+                except NoEngineError:
+                    pass
+            raise ApiError(
+                503,
+                f"{exc}, and none joined within {gw.engine_wait_s:.0f}s",
+                type="service_unavailable",
+            ) from exc
 
     def finish(self, call: Call, res: GenResult) -> Answer:
         """Cut the output at the first stop string (ids and logprobs to the token that completed

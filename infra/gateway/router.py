@@ -30,7 +30,7 @@ class EngineHandle:
     cell_id: str
     base_url: str
     client: EngineClient | None = None
-    state: str = "active"  # active | draining
+    state: str = "active"  # active | draining | dead (its cell is gone)
     inflight: dict[str, float] = field(default_factory=dict)  # engine rid -> start time
     sessions: set[str] = field(default_factory=set)
     calls: int = 0

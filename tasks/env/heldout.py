@@ -44,9 +44,7 @@ class EvalConfig(BaseModel):
         "0 = no evaluation",
     )
     tasks: int = Field(16, ge=1, le=100_000, description="held-out tasks (one session each)")
-    seed0: int = Field(
-        EVAL_SEED0, description="held-out task seeds are seed0 .. seed0 + tasks - 1"
-    )
+    seed0: int = Field(EVAL_SEED0, description="held-out task seeds are seed0 .. seed0 + tasks - 1")
     max_attempts: int = Field(
         1, ge=1, le=16, description="tries per turn (greedy: a retry repeats itself)"
     )

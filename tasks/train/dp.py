@@ -69,6 +69,8 @@ class StepPlan:
 
     ``members``: cell ids in rank order; ``segments``: the samples segments of the groups
     it trains (``groups``: their rollout numbers); ``version``: the weights it starts from.
+    ``workers``: where each member runs (the cells' worker addresses, in rank order); a
+    retried step keeps everything but the generation, the members' places and the port.
     """
 
     step: int
@@ -80,15 +82,18 @@ class StepPlan:
     groups: tuple[int, ...]
     segments: tuple[str, ...]
     shuffle_seed: int = 0
+    workers: tuple[str, ...] = ()
 
     def rendezvous(self, rank: int) -> Rendezvous:
         return Rendezvous(self.host, self.port, self.generation, rank, len(self.members))
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
-    """A TCPStore server for every generation of a run; returns ``(store, port)``.
+    """A TCPStore server for the generations of a run; returns ``(store, port)``.
 
-    Keep the returned store alive as long as members may meet (it is the server).
+    Keep the returned store alive as long as members may meet (it is the server). Dropping
+    it makes every member still waiting to meet fail at once (a step being retried after a
+    member was lost replaces it, so survivors do not wait out the timeout).
     """
     store = dist.TCPStore(
         host,

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,32 @@ pytestmark = pytest.mark.integration
 GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 
 
-def _run(store_url: str, audit_dir: Path) -> dict:
+def _run(store_url: str, audit_dir: Path, seen: dict | None = None) -> dict:
     from flows.rl_run import rl_run
 
-    return rl_run(
-        preset="tiny",
-        store=store_url,
-        overrides=["rollout.group_size=3", f"model.audit_dir={audit_dir}"],
-    )
+    watcher = None
+    if seen is not None:  # the gateway's admin token, read from the live run (for the test)
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_token, args=(seen, stop), daemon=True)
+        watcher.start()
+    try:
+        return rl_run(
+            preset="tiny",
+            store=store_url,
+            overrides=["rollout.group_size=3", f"model.audit_dir={audit_dir}"],
+        )
+    finally:
+        if watcher is not None:
+            stop.set()
+            watcher.join(timeout=5)
+
+
+def _watch_token(seen: dict, stop: threading.Event) -> None:
+    from flows import live
+
+    while not stop.wait(0.05):
+        for objects in list(live._LIVE.values()):
+            seen["admin_token"] = objects[1].admin_token
 
 
 def _audited(audit_dir: Path) -> dict[str, list[int]]:
@@ -71,17 +90,55 @@ def _check_run(store: Store, summary: dict, audit_dir: Path) -> None:
 def local_run(prefect_harness, tmp_path_factory):
     root = tmp_path_factory.mktemp("local")
     store_dir = root / "data"
-    summary = _run(str(store_dir), root / "audit")
-    return store_dir, summary, root / "audit"
+    seen: dict = {}
+    summary = _run(str(store_dir), root / "audit", seen)
+    return store_dir, summary, root / "audit", seen
+
+
+def test_admin_token_is_in_no_parameter_artifact_or_log(local_run):
+    """The gateway's admin token reaches the cells through the Dask scheduler: no flow or
+    task run parameter, artifact or log line in the Prefect API holds it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter
+
+    *_, seen = local_run
+    token = seen.get("admin_token")
+    assert token and len(token) >= 20
+
+    def every(read, *args):  # the API pages by 200
+        out: list = []
+        while page := read(*args, limit=200, offset=len(out)):
+            out += page
+        return out
+
+    with get_client(sync_client=True) as client:
+        flows = every(client.read_flow_runs)
+        tasks = every(client.read_task_runs)
+        artifacts = every(client.read_artifacts)
+        logs = every(client.read_logs, LogFilter())
+    assert any(f.name.endswith("schedule") for f in flows) and tasks and artifacts and logs
+    assert {a.key for a in artifacts} >= {
+        f"gyre-{k}-{summary_run_id(local_run)}" for k in ("summary", "config", "progress")
+    }
+    for what, objs in (("flow run", flows), ("task run", tasks), ("artifact", artifacts)):
+        for o in objs:
+            assert token not in o.model_dump_json(), (
+                f"{what} {o.name if hasattr(o, 'name') else o.key}"
+            )
+    assert not [x.message for x in logs if token in x.message]
+
+
+def summary_run_id(local_run) -> str:
+    return local_run[1]["run_id"].lower()
 
 
 def test_run_on_local_store(local_run):
-    store_dir, summary, audit = local_run
+    store_dir, summary, audit, _ = local_run
     _check_run(Store(str(store_dir)), summary, audit)
 
 
 def test_cli_sql_shows_every_view(local_run):
-    store_dir, _, _ = local_run
+    store_dir, *_ = local_run
     out = subprocess.run(
         GYRE + ["sql", "--store", str(store_dir)], capture_output=True, text=True, check=True
     ).stdout
@@ -132,7 +189,7 @@ def test_run_on_s3_store(prefect_harness, moto_s3_env, tmp_path):
 
 def test_readme_sql_examples_answer(local_run):
     """Every example query in README.md runs on a real run's store and answers."""
-    store_dir, _, _ = local_run
+    store_dir, *_ = local_run
     store = Store(str(store_dir))
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("```sql\n", 1)[1].split("```", 1)[0]

@@ -34,7 +34,8 @@ from tasks.train_step import member_on_cell
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RCFG = RolloutConfig(group_size=2, subtasks=1, max_new_tokens=8, max_attempts=2, timeout_s=300)
-TCFG = TrainConfig(lr=1e-3, max_staleness=4)
+# every group trains, also one whose rewards tie (the test counts samples per group)
+TCFG = TrainConfig(lr=1e-3, max_staleness=4, filter_zero_variance=False)
 
 
 class _Job:
@@ -67,7 +68,13 @@ class Work:
     def process(self, index, sessions, version) -> _Job:
         return _Job(
             self.pool.submit(
-                process_sessions, self.store, self.run_id, index, sessions, current_version=version
+                process_sessions,
+                self.store,
+                self.run_id,
+                index,
+                sessions,
+                current_version=version,
+                filter_zero_variance=TCFG.filter_zero_variance,
             )
         )
 

@@ -1,0 +1,132 @@
+"""Cells SIGKILLed during a real run of the Prefect flow (``rl_run``), with nannies that
+restart them: first the train cell in the middle of an optimizer step, then the rollout cell
+in the middle of its sessions (the harnesses on its worker die with it and Dask reruns their
+rollout tasks; sessions whose harness lives on the other worker continue, waiting for a cell
+to serve again).
+
+What must survive: the run ends by itself with every step done (no hang); steps and weight
+versions run 0..N-1 and 1..N once each; the ledger holds each sample once; TITO holds each
+call once, and every processed session's calls are all there, in order; every processed
+session finished; the killed cells came back with their roles (``cells``: lost, rejoin) and
+the step under way was aborted and retried.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from storage.sql import query
+from storage.store import Store
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
+
+RUN = "run-faults"
+STEPS = 4
+
+
+class Killer(threading.Thread):
+    """Kills the train cell mid-step, then the rollout cell mid-session, once each."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.done: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def _run(self) -> None:
+        from flows import live
+
+        deadline = time.monotonic() + 300
+        while RUN not in live._LIVE:
+            assert time.monotonic() < deadline, "the run never came up"
+            time.sleep(0.2)
+        cells, gateway, _ = live.lookup(RUN)
+        # the train cell, inside an optimizer step (paced: each step takes a few seconds)
+        while True:
+            assert time.monotonic() < deadline, "no step ran on a train cell"
+            train = [a for a, r in cells.roles.items() if r == "train"]
+            busy = cells.client.processing(workers=train) if train else {}
+            if any("train_member" in str(k) for keys in busy.values() for k in keys):
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(cells.pids()[train[0]], signal.SIGKILL)
+        self.done.append(f"train {train[0]}")
+        # then the rollout cell, while its sessions make calls (after the train cell is back)
+        while len([r for r in cells.roles.values() if r == "train"]) < 1:
+            time.sleep(0.2)
+        (rollout,) = [a for a, r in cells.roles.items() if r == "rollout"]
+        cid = cells.cell_id(rollout)
+        n0 = gateway.engines().get(cid, {}).get("calls", 0)
+        while True:
+            assert time.monotonic() < deadline, "the rollout cell made no more calls"
+            info = gateway.engines().get(cid, {})
+            if info.get("calls", 0) >= n0 + 4 and info.get("sessions", 0) > 0:
+                break
+            time.sleep(0.05)
+        os.kill(cells.pids()[rollout], signal.SIGKILL)
+        self.done.append(f"rollout {rollout}")
+
+
+def test_run_survives_killed_train_and_rollout_cells(prefect_harness, tmp_path):
+    from flows.rl_run import rl_run
+
+    store_dir = tmp_path / "store"
+    killer = Killer()
+    killer.start()
+    t0 = time.monotonic()
+    summary = rl_run(
+        preset="tiny",
+        store=str(store_dir),
+        overrides=[
+            f"run_id={RUN}",
+            "scheduler.mode=async",
+            f"train.steps={STEPS}",
+            "rollout.subtasks=3",
+            "scheduler.pacing.env_step_s=0.2",
+            "scheduler.pacing.train_s_per_token=0.002",  # a step of ~1600 tokens: ~3 s
+            "cluster.heal_timeout_s=60",
+            "scheduler.step_timeout_s=60",  # bounds a plant that would hang the run
+        ],
+    )
+    wall = time.monotonic() - t0
+    killer.join(timeout=30)
+    assert killer.error is None, killer.error
+    assert len(killer.done) == 2, killer.done
+    store = Store(str(store_dir))
+    assert summary["steps"] == STEPS and summary["weight_version"] == STEPS
+
+    def rows(sql: str) -> list[dict]:
+        return query(store, sql).to_pylist()
+
+    steps = rows(f"SELECT step, weight_version FROM steps WHERE run_id = '{RUN}' ORDER BY 1")
+    assert [(r["step"], r["weight_version"]) for r in steps] == [(k, k + 1) for k in range(STEPS)]
+    assert not rows("SELECT sample_id FROM ledger GROUP BY 1 HAVING count(*) > 1")
+    tito = rows("SELECT session_id, request_id, seq_no FROM tito")
+    assert len({r["request_id"] for r in tito}) == len(tito)
+    seqs: dict[str, list[int]] = {}
+    for r in tito:
+        seqs.setdefault(r["session_id"], []).append(r["seq_no"])
+    sessions = rows("SELECT session_id, n_calls, status FROM rollouts")
+    assert sessions and all(s["status"] == "finished" for s in sessions), sessions
+    for s in sessions:
+        assert sorted(seqs[s["session_id"]]) == list(range(s["n_calls"])), s
+    events = rows(
+        "SELECT event, role FROM cells WHERE event IN ('lost', 'rejoin', 'step_abort') ORDER BY t"
+    )
+    got = [(e["event"], e["role"]) for e in events]
+    assert got[:3] == [("lost", "train"), ("step_abort", "train"), ("rejoin", "train")], got
+    assert got[3:] == [("lost", "rollout"), ("rejoin", "rollout")], got
+    retried = rows("SELECT reason FROM cells WHERE event = 'step' AND reason LIKE 'retry%'")
+    assert len(retried) == 1
+    print(f"\nrun with a train cell and a rollout cell killed: {summary}, wall {wall:.0f}s")

@@ -1,0 +1,63 @@
+"""What a killed run leaves behind is stopped by the next start (flows/procs.py).
+
+A real "run" process records the processes it started (one in a session of its own, as
+the temporary Prefect server is), then is SIGKILLed: its child survives it, and
+``reap_orphans`` (what every ``gyre run`` calls first) stops that child, and only it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OWNER = """
+import subprocess, sys, time
+from flows.procs import record_children
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                         start_new_session=True)
+record_children()
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_orphans_of_a_killed_run_are_reaped_by_the_next_start(cache):
+    from flows.procs import reap_orphans
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    child = psutil.Process(int(owner.stdout.readline()))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        assert reap_orphans() == []  # the owner lives: its processes are left alone
+        assert child.is_running()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        time.sleep(0.2)
+        assert child.is_running()  # an orphan now
+        assert reap_orphans() == [child.pid]
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert bystander.poll() is None  # nothing else was touched
+        assert not list((cache / "procs").glob("*.json"))  # the record is gone too
+        assert reap_orphans() == []
+    finally:
+        bystander.kill()
+        if child.is_running():
+            child.kill()

@@ -156,22 +156,58 @@ def _has_demonstrations(r: RolloutConfig) -> bool:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # under 3 minutes on 2 cores, Prefect start included
+    # the smoke test: arithmetic, 2 steps, under a minute on 2 cores (Prefect start included)
     "tiny": {
         "rollout": {"groups_per_step": 1, "group_size": 4, "subtasks": 2, "max_new_tokens": 12},
         "train": {"steps": 2},
+        "eval": {"every": 2, "tasks": 4},
     },
-    # what `make demo` runs: more sessions, retries and a context reset per session
+    # what `make demo` runs: RL on top of a supervised warm start, judged on held-out tasks
+    # (tools suite; about 5 minutes on 2 cores, the first time 1-2 more for the warm start)
     "demo": {
         "rollout": {
+            "suite": "tools",
+            "difficulty": 1,
+            "subtasks": 3,
             "groups_per_step": 2,
-            "group_size": 4,
-            "subtasks": 4,
-            "max_new_tokens": 16,
-            "summarize_every": 2,
+            "group_size": 8,
+            "max_new_tokens": 32,
+            "max_attempts": 1,
         },
-        # a high rate so that 8 steps move the tiny policy visibly (reward in `steps`)
-        "train": {"steps": 8, "lr": 0.01},
+        "train": {"steps": 40, "lr": 1e-4},
+        "warmstart": {"enabled": True, "steps": 200},
+        "eval": {"every": 10, "tasks": 32},
+    },
+    # the tools suite at length: more steps, more held-out tasks
+    "tools": {
+        "rollout": {
+            "suite": "tools",
+            "difficulty": 1,
+            "subtasks": 3,
+            "groups_per_step": 4,
+            "group_size": 8,
+            "max_new_tokens": 32,
+            "max_attempts": 1,
+        },
+        "train": {"steps": 100, "lr": 1e-4},
+        "warmstart": {"enabled": True, "steps": 200},
+        "eval": {"every": 20, "tasks": 64},
+    },
+    # the repository-building suite end to end: hidden-test pass fraction before and after
+    "repo": {
+        "rollout": {
+            "suite": "repo",
+            "difficulty": 0,
+            "groups_per_step": 1,
+            "group_size": 2,
+            "max_new_tokens": 1024,
+            "max_tool_rounds": 12,
+            "max_attempts": 1,
+            "context_tokens": 8000,
+            "timeout_s": 1800.0,
+        },
+        "train": {"steps": 4, "lr": 1e-4},
+        "eval": {"every": 4, "tasks": 4, "timeout_s": 1800.0},
     },
 }
 

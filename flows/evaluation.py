@@ -57,7 +57,12 @@ class HeldOut:
         self.run_id, self.cfg, self.store, self.gateway = run_id, cfg, store, gateway
         self.start, self.first_step = start_version, first_step
         n = cfg.train.steps if steps is None else steps
-        self.due = [start_version + v for v in eval_versions(n, cfg.eval.every)]
+        done = _evaluated(store, run_id) if self.first_step else set()  # a resumed run
+        self.due = [
+            start_version + v
+            for v in eval_versions(n, cfg.eval.every)
+            if start_version + v not in done
+        ]
         self.seeds = eval_seeds(cfg.eval)
         self.job: Any = None
         self.pinned: int | None = None
@@ -157,6 +162,17 @@ class HeldOut:
 
 
 # -- what the run reports ------------------------------------------------------------------
+
+
+def _evaluated(store: Store, run_id: str) -> set[int]:
+    """Versions of ``run_id`` already in ``evals`` (a resumed run does not repeat them)."""
+    rid = run_id.replace("'", "''")
+    try:
+        rows = query(store, f"SELECT DISTINCT version FROM evals WHERE run_id = '{rid}'")
+    except Exception as exc:  # no evals yet, or unreadable: evaluate again
+        log.warning("could not read the run's earlier evaluations: %s", exc)
+        return set()
+    return {r["version"] for r in rows.to_pylist()}
 
 
 def _rows(store: Store, run_id: str) -> list[dict[str, Any]]:

@@ -1,11 +1,12 @@
 """The ``gyre`` command line.
 
-    gyre run [--config FILE] [--preset tiny|demo] [--store URL] [key=value ...]
+    gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
     gyre session new [--url URL] [--admin-token TOKEN] [--port N]
     gyre export RUN_ID [--store URL] --out FILE [--format parquet]
+    gyre warmstart --suite tools [--difficulty N] [--steps N] [--out DIR] ...
 
 Heavy imports (prefect, torch) happen inside the sub-commands, after the
 environment below is set, so ``gyre sql`` stays fast.
@@ -132,6 +133,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return main_export(args)
 
 
+def cmd_warmstart(args: argparse.Namespace) -> int:
+    from flows.warmstart import main_warmstart
+
+    return main_warmstart(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flows.config import PRESETS  # pure and light: pydantic + the section models
 
@@ -180,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="how each branch's advantage is computed (as train.advantage)",
     )
     e.set_defaults(fn=cmd_export)
+
+    w = sub.add_parser(
+        "warmstart", help="supervised warm start of the tiny model on a suite's demonstrations"
+    )
+    w.add_argument("--suite", default="tools", help="tools | repo | package.module:Suite")
+    w.add_argument("--difficulty", type=int, default=1)
+    w.add_argument("--subtasks", type=int, default=3)
+    w.add_argument("--steps", type=int, default=100, help="AdamW steps (default 100)")
+    w.add_argument("--lr", type=float, default=3e-3)
+    w.add_argument("--batch-size", type=int, default=16)
+    w.add_argument("--demos", type=int, default=512, help="distinct demonstrations")
+    w.add_argument("--seed", type=int, default=0, help="shuffle/init seed of the pass")
+    w.add_argument("--model-seed", type=int, default=0, help="the tiny model's seed")
+    w.add_argument("--out", help="checkpoint dir (default: the cache, reused when it exists)")
+    w.add_argument("--force", action="store_true", help="rebuild even if it exists")
+    w.set_defaults(fn=cmd_warmstart)
 
     n = sub.add_parser("session", help="sessions of a running `gyre serve`")
     n.add_argument("action", choices=["new"])

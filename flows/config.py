@@ -23,10 +23,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.warmstart import DEMO_SEED0, WarmStartConfig
 from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
 from infra.gateway.config import GatewayConfig
 from tasks.env.config import RolloutConfig
+from tasks.env.heldout import EvalConfig, eval_seeds, seed_overlap
 from tasks.sched.config import SchedulerConfig, cell_problems
 from tasks.train.config import TrainConfig
 
@@ -51,6 +53,8 @@ class RunConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     gateway: GatewayConfig = GatewayConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    eval: EvalConfig = EvalConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -106,28 +110,104 @@ class RunConfig(BaseModel):
         problems += cell_problems(
             self.scheduler, self.cluster.rollout_cells, self.cluster.train_cells
         )
+        problems += self._learning_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
+    def _learning_problems(self) -> list[str]:
+        """Held-out seeds never trained on; a warm start that can be built."""
+        problems = []
+        r, e = self.rollout, self.eval
+        if e.every:
+            # groups a run may start: the trained ones plus those in flight when it ends
+            groups = 2 * self.train.steps * r.groups_per_step + 4096
+            demos = range(DEMO_SEED0, DEMO_SEED0 + self.warmstart.demos)
+            hit = seed_overlap(eval_seeds(e), r.seed, groups, [demos])
+            if hit:
+                problems.append(
+                    f"eval.seed0={e.seed0}: held-out seeds {hit[:3]} are also drawn for training "
+                    f"(rollout.seed={r.seed}) or the warm start (abs value: CPython seeds "
+                    f"random.Random by it); move eval.seed0 away (default {EvalConfig().seed0})"
+                )
+        if self.warmstart.enabled and not _has_demonstrations(r):
+            problems.append(
+                f"warmstart.enabled=true: rollout.suite={r.suite!r} has no demonstrations(n, "
+                "seed) to learn from; use a suite that has them (tools, repo) or turn "
+                "warmstart.enabled off"
+            )
+        if self.warmstart.enabled and self.model.path is not None:
+            problems.append(
+                f"warmstart.enabled=true with model.path={self.model.path!r}: a warm start "
+                "begins from the tiny model; set model.path to its output (gyre warmstart "
+                "--out DIR) or turn warmstart.enabled off"
+            )
+        return problems
+
+
+def _has_demonstrations(r: RolloutConfig) -> bool:
+    from tasks.env.suite import SuiteError, load_suite
+
+    try:
+        suite = load_suite(r.suite, **r.suite_options())
+    except SuiteError:
+        return True  # reported by rollout.suite's own check
+    return callable(getattr(suite, "demonstrations", None))
+
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # under 3 minutes on 2 cores, Prefect start included
+    # the smoke test: arithmetic, 2 steps, under a minute on 2 cores (Prefect start included)
     "tiny": {
         "rollout": {"groups_per_step": 1, "group_size": 4, "subtasks": 2, "max_new_tokens": 12},
         "train": {"steps": 2},
+        "eval": {"every": 2, "tasks": 4},
     },
-    # what `make demo` runs: more sessions, retries and a context reset per session
+    # what `make demo` runs: RL on top of a supervised warm start, judged on held-out tasks
+    # (tools suite; about 5 minutes on 2 cores, the first time 1-2 more for the warm start)
     "demo": {
         "rollout": {
+            "suite": "tools",
+            "difficulty": 1,
+            "subtasks": 3,
             "groups_per_step": 2,
-            "group_size": 4,
-            "subtasks": 4,
-            "max_new_tokens": 16,
-            "summarize_every": 2,
+            "group_size": 8,
+            "max_new_tokens": 32,
+            "max_attempts": 1,
         },
-        # a high rate so that 8 steps move the tiny policy visibly (reward in `steps`)
-        "train": {"steps": 8, "lr": 0.01},
+        "train": {"steps": 40, "lr": 1e-4},
+        "warmstart": {"enabled": True, "steps": 200},
+        "eval": {"every": 10, "tasks": 32},
+    },
+    # the tools suite at length: more steps, more held-out tasks
+    "tools": {
+        "rollout": {
+            "suite": "tools",
+            "difficulty": 1,
+            "subtasks": 3,
+            "groups_per_step": 4,
+            "group_size": 8,
+            "max_new_tokens": 32,
+            "max_attempts": 1,
+        },
+        "train": {"steps": 100, "lr": 1e-4},
+        "warmstart": {"enabled": True, "steps": 200},
+        "eval": {"every": 20, "tasks": 64},
+    },
+    # the repository-building suite end to end: hidden-test pass fraction before and after
+    "repo": {
+        "rollout": {
+            "suite": "repo",
+            "difficulty": 0,
+            "groups_per_step": 1,
+            "group_size": 2,
+            "max_new_tokens": 1024,
+            "max_tool_rounds": 12,
+            "max_attempts": 1,
+            "context_tokens": 8000,
+            "timeout_s": 1800.0,
+        },
+        "train": {"steps": 4, "lr": 1e-4},
+        "eval": {"every": 4, "tasks": 4, "timeout_s": 1800.0},
     },
 }
 

@@ -26,11 +26,13 @@ from prefect_dask import DaskTaskRunner
 
 from flows import live
 from flows.config import PRESETS, RunConfig, load_config
+from flows.evaluation import write_learning
 from flows.preflight import preflight
 from flows.procs import forget, record_children
 from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
+from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, start_cells
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
@@ -136,7 +138,7 @@ def rl_run(
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
     t0 = time.monotonic()
-    model_dir = cfg.model.path or make_tiny_model(seed=cfg.model.seed)
+    model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
     spool = spool_dir(st.url, run_id)
     point = resume_point(st, run_id, _journal_groups(spool))
     if point.fresh:
@@ -229,6 +231,7 @@ def rl_run(
         # training is done: the summary is written before the cells are torn down, which
         # may be slow under load but never fails the run (infra/cells/cluster.py)
         summary = _summary(loop, st, run_id, sc.mode, time.monotonic() - t0)
+        summary = write_learning(st, run_id, summary)  # held-out figures, curve, summary.json
         create_markdown_artifact(
             key=artifact_key("gyre-summary", run_id),
             markdown=summary_markdown(summary, st.url, run_id),

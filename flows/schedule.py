@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from flows import live
 from flows.config import RunConfig
+from flows.evaluation import HeldOut
 from flows.progress import Progress
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
@@ -235,6 +236,7 @@ def schedule(
         # a rollout ends by its own timeout; processing and the margins on top
         job_timeout_s=r.timeout_s + sc.drain_timeout_s + 600,
     )
+    held = HeldOut(run_id, cfg, store, gateway, start_version, first_step, steps)
     roles = coord.state().cells
     ex.start(tuple(c.role for c in roles), f"{sc.mode}: initial roles")
     logger.info(
@@ -260,6 +262,7 @@ def schedule(
         while True:
             for ev in ex.events(timeout=sc.tick_s):
                 coord.handle(ev)
+            held.poll(ex)  # held-out evaluations (flows/evaluation.py)
             if ex.stats.steps >= steps:
                 break
             state = coord.state()
@@ -282,11 +285,17 @@ def schedule(
         bar.close()
         DaskEvent(stop_event).set()
         _drain(ex, cfg, logger, bound=STOP_DRAIN_S if interrupted else None)
-        ex.close()
-        try:  # no use once the run's gateway stops: leave none behind on the scheduler
-            token.delete()
-        except Exception as exc:
-            logger.warning("could not delete the admin token variable: %s", exc)
+        try:
+            if not interrupted and ex.stats.steps >= steps:
+                held.finish(ex)  # the final version's held-out evaluation
+        except Exception:  # training is done and committed: the run still ends well
+            logger.exception("the final held-out evaluation failed")
+        finally:
+            ex.close()
+            try:  # no use once the run's gateway stops: leave none behind on the scheduler
+                token.delete()
+            except Exception as exc:
+                logger.warning("could not delete the admin token variable: %s", exc)
     progress.update(ex.stats.steps, _reward(ex))  # the last step ends the loop before the bar
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)

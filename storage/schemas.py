@@ -159,6 +159,28 @@ CELLS_SCHEMA = pa.schema(
     ]
 )
 
+# One row per held-out task per evaluated policy version (tasks/evaluate.py): greedy
+# sessions on task seeds training never draws (tasks/env/heldout.py); never trained on.
+EVALS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("version", pa.int64()),  # policy version evaluated (0 = the initial weights)
+        ("step", pa.int32()),  # optimizer steps of this run done when it was evaluated
+        ("seed", pa.int64()),  # the held-out task seed
+        ("task_id", pa.string()),
+        ("session_id", pa.string()),  # its calls are in `tito` (never in `samples`)
+        ("cell_id", pa.string()),  # the rollout cell that served it
+        ("status", pa.string()),  # finished | failed | timeout
+        ("reason", pa.string()),
+        ("reward", pa.float64()),  # the run's reward aggregation of the sub-task scores
+        ("n_calls", pa.int32()),
+        ("subtask_ids", pa.list_(pa.string())),
+        ("subtask_scores", pa.list_(pa.float64())),  # aligned with subtask_ids, in [0, 1]
+        ("t", pa.float64()),  # when the session ended (unix seconds)
+        ("seconds", pa.float64()),  # the session's wall time
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "tito": TITO_SCHEMA,
     "nodes": NODES_SCHEMA,
@@ -168,4 +190,5 @@ SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS_SCHEMA,
     "ledger": LEDGER_SCHEMA,
     "cells": CELLS_SCHEMA,
+    "evals": EVALS_SCHEMA,
 }

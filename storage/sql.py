@@ -1,7 +1,7 @@
 """DuckDB over the store: one read-only view per dataset.
 
 Views: ``tito``, ``nodes``, ``scores``, ``rollouts``, ``samples``, ``steps``,
-``ledger``, ``cells`` (schemas in storage/schemas.py). Parquet on S3 is read
+``ledger``, ``cells``, ``evals`` (schemas in storage/schemas.py). Parquet on S3 is read
 through the store's s3fs file system registered with DuckDB (no httpfs
 extension needed). Connections are short-lived and in-memory, so queries never
 contend for a database file lock with a running flow.

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import dask
 from distributed import Client, LocalCluster, WorkerPlugin, get_worker
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,22 @@ CLOSE_TIMEOUT_S = 60.0  # how long cells get to stop their engines and leave
 
 class CellLost(RuntimeError):
     """The worker process of a cell is gone (killed, crashed, its node lost)."""
+
+
+def stop_thread_profiler(worker) -> None:
+    """Stop the worker's statistical profiler (``distributed.worker.profile``).
+
+    It samples every thread with ``sys._current_frames()`` every 10 ms. On CPython 3.11
+    before 3.11.9 that call can deadlock the whole process against a thread that is
+    exiting (python/cpython#106883, dask/distributed#8616): every thread then waits for the
+    GIL forever. Cells start and end a thread per agent session, so a run hit it within
+    minutes (a train step frozen inside torch, 0% CPU). The profile only feeds the
+    dashboard's profile page; the rest of the dashboard is unaffected.
+    """
+    for name in ("profile", "profile-cycle"):
+        pc = worker.periodic_callbacks.pop(name, None)
+        if pc is not None:
+            pc.stop()
 
 
 class CellPlugin(WorkerPlugin):
@@ -57,6 +74,7 @@ class CellPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         self.worker_address = worker.address
         self.lock = threading.RLock()
+        stop_thread_profiler(worker)
         if threading.current_thread() is threading.main_thread():
             # Ctrl-C in a terminal reaches the whole process group: the run's process stops
             # the cells in order; a cell must not die on its own first (its nanny would
@@ -198,6 +216,19 @@ async def _call_on_plugin(fn, args, kwargs, dask_worker=None):
     return await asyncio.to_thread(fn, plugin, *args, **kwargs)
 
 
+def _local_cluster(n: int, threads: int, memory_limit: str, env: dict[str, str]) -> LocalCluster:
+    return LocalCluster(
+        n_workers=n,
+        threads_per_worker=threads,
+        processes=True,
+        memory_limit=memory_limit,
+        dashboard_address=":0",  # a free port: several runs may share a host
+        host="127.0.0.1",
+        worker_class="distributed.Nanny",
+        env=env,
+    )
+
+
 @contextmanager
 def start_cells(
     n_cells: int,
@@ -222,16 +253,12 @@ def start_cells(
         client.wait_for_workers(n_cells, timeout=300)
     else:
         worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        cluster = LocalCluster(
-            n_workers=n_cells,
-            threads_per_worker=threads_per_cell + harness_slots,
-            processes=True,
-            memory_limit=memory_limit,
-            dashboard_address=":0",  # a free port: several runs may share a host
-            host="127.0.0.1",
-            worker_class="distributed.Nanny",
-            env=worker_env,
-        )
+        # no statistical profiler in the cells (see stop_thread_profiler); the plugin also
+        # stops it on workers of an external cluster and on restarted ones
+        with dask.config.set({"distributed.worker.profile.enabled": False}):
+            cluster = _local_cluster(
+                n_cells, threads_per_cell + harness_slots, memory_limit, worker_env
+            )
         client = Client(cluster)
     try:
         client.register_plugin(CellPlugin(), name=PLUGIN_NAME)

@@ -46,6 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -234,6 +235,8 @@ class Executor:
             max_workers=4 + 2 * len(self.addrs), thread_name_prefix="gyre-exec"
         )
         self._lock = threading.Lock()
+        self._pins: dict[int, threading.Event] = {}  # cells held for an evaluation
+        self._acting: set[int] = set()  # cells with a role change or weight load running
         self._dp_store, self.dp_port = host_store(dp_host, 0, timeout_s=step_timeout_s)
         self.dp_host = dp_host
 
@@ -394,6 +397,53 @@ class Executor:
             out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
         return out
 
+    # -- evaluation pins (flows/evaluation.py) --------------------------------------------
+    def pin(self, i: int) -> int | None:
+        """Hold rollout cell ``i`` on the weights it serves, for a held-out evaluation: a
+        role change or weight load decided for it waits (on the action pool) until
+        ``unpin``. Returns the version it serves, or None (and pins nothing) when it is not
+        serving or has a role change or load under way."""
+        with self._lock:
+            if i in self._acting or i in self._pins or i not in self.routed:
+                return None
+            if i not in self.engine_version:
+                return None
+            self._pins[i] = threading.Event()
+            return self.engine_version[i]
+
+    def unpin(self, i: int) -> None:
+        with self._lock:
+            ev = self._pins.pop(i, None)
+        if ev is not None:
+            ev.set()
+
+    @contextmanager
+    def _acting_on(self, i: int):
+        """Wait while cell ``i`` is pinned (bounded by ``step_timeout_s``), then mark it
+        as changing until the action ends."""
+        while True:
+            with self._lock:
+                ev = self._pins.get(i)
+                if ev is None:
+                    self._acting.add(i)
+                    break
+            deadline = time.monotonic() + self.step_timeout_s
+            while not ev.is_set() and not self._closing.is_set():
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "cell %s pinned past %.0fs: unpinned", self.cell_id(i), self.step_timeout_s
+                    )
+                    self.unpin(i)
+                    break
+                ev.wait(0.5)
+            if self._closing.is_set():
+                self.unpin(i)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._acting.discard(i)
+
     # -- role changes ------------------------------------------------------------------
     def _move(self, d: Move, reason: str) -> None:
         i = d.cell
@@ -416,7 +466,7 @@ class Executor:
         for _ in range(3):
             addr = self.addrs[i]
             try:
-                with self._cell_locks[i]:
+                with self._acting_on(i), self._cell_locks[i]:
                     fn(*args)
                 return
             except Exception as exc:

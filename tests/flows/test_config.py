@@ -11,7 +11,9 @@ def test_defaults_and_presets():
     assert load_config() == RunConfig()
     tiny = load_config(preset="tiny")
     assert tiny.train.steps == PRESETS["tiny"]["train"]["steps"]
-    assert load_config(preset="demo").rollout.summarize_every == 2
+    demo = load_config(preset="demo")
+    assert demo.rollout.suite == "tools" and demo.warmstart.enabled and demo.eval.every > 0
+    assert load_config(preset="repo").rollout.suite == "repo"
 
 
 def test_file_then_store_then_overrides(tmp_path: Path):

@@ -61,7 +61,8 @@ class WarmStartConfig(BaseModel):
 
     With ``enabled`` the run's initial weights are this warm start of the tiny model
     (``model.seed``) on ``rollout.suite``'s demonstrations at ``rollout.difficulty`` and
-    ``rollout.subtasks`` (or ``warmstart.subtasks``); built on first use, cached afterwards."""
+    ``rollout.subtasks`` (or ``warmstart.difficulty`` / ``warmstart.subtasks``); built on
+    first use, cached afterwards."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -70,6 +71,13 @@ class WarmStartConfig(BaseModel):
     lr: float = Field(3e-3, gt=0, le=1.0)
     batch_size: int = Field(16, ge=1, le=4096, description="demonstrations per step")
     demos: int = Field(512, ge=1, le=1_000_000, description="distinct demonstrations")
+    difficulty: int | None = Field(
+        None,
+        ge=0,
+        le=10,
+        description="the suite difficulty of the demonstrations (None: rollout.difficulty); "
+        "an easier level teaches the format and leaves the harder level's choices to RL",
+    )
     subtasks: int | None = Field(
         None,
         ge=1,
@@ -205,7 +213,7 @@ def for_run(cfg: Any) -> str | None:
     path, _ = build_warmstart(
         ws,
         suite=r.suite,
-        difficulty=r.difficulty,
+        difficulty=r.difficulty if ws.difficulty is None else ws.difficulty,
         subtasks=ws.subtasks or r.subtasks,
         model_seed=cfg.model.seed,
     )

@@ -131,3 +131,19 @@ def test_curve_png_plots_training_rewards_too():
     curve = [{"step": 0, "reward": 0.2, "se": 0.05}, {"step": 4, "reward": 0.6, "se": 0.04}]
     png = curve_png(curve, [{"step": 0, "reward": 0.1}, {"step": 3, "reward": 0.5}], "t")
     assert png[:4] == b"\x89PNG"
+
+
+def test_a_run_can_warm_start_on_an_easier_level(tmp_path: Path, monkeypatch):
+    from flows.config import load_config
+    from flows.warmstart import for_run
+
+    monkeypatch.setenv("GYRE_CACHE", str(tmp_path / "cache"))
+    over = ["rollout.suite=tools", "rollout.difficulty=1", "rollout.subtasks=1"]
+    over += ["warmstart.enabled=true", "warmstart.steps=2", "warmstart.demos=4"]
+    over += ["warmstart.batch_size=2"]
+    at_run_level = for_run(load_config(overrides=over))
+    easier = for_run(load_config(overrides=[*over, "warmstart.difficulty=0"]))
+    assert Path(at_run_level).name.startswith("tools-d1-")
+    assert Path(easier).name.startswith("tools-d0-")
+    meta = json.loads((Path(easier) / "warm_start.json").read_text())
+    assert meta["spec"]["difficulty"] == 0

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tasks.train import dp
+from tests.models import micro_qwen3_config
 
 pytestmark = pytest.mark.integration
 
@@ -35,20 +36,10 @@ TOL = 1e-6
 
 
 def _model_dir(root: Path) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    cfg = micro_qwen3_config(40)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     with torch.no_grad():
         for p in model.parameters():

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from tasks.train.packed_loss import keep_norms_in_fp64
 from tasks.train.trainer import Trainer
@@ -30,6 +30,7 @@ from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.scoring import Score
 from tasks.trajectory.synth import random_session
 from tasks.trajectory.tree import build_trees
+from tests.models import micro_qwen3_config
 
 VOCAB = 40
 EPS = 1e-6  # the documented advantage epsilon: (R - mean) / (std + 1e-6)
@@ -46,17 +47,7 @@ def one_thread():
 
 def _save_model(path: Path, seed: int) -> str:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    cfg = micro_qwen3_config(VOCAB)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
     with torch.no_grad():  # logits far from uniform
         for p in model.parameters():

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from storage.tito import TitoRecord
 from tasks.train import tree_attention
@@ -23,6 +23,7 @@ from tasks.train.trainer import (
 from tasks.trajectory.sampler import Sample, build_samples, group_advantages
 from tasks.trajectory.synth import random_session, reference_paths
 from tasks.trajectory.tree import POLICY, build_trees
+from tests.models import micro_qwen3_config
 
 VOCAB = 40
 
@@ -38,17 +39,7 @@ def one_thread():
 
 def tiny_model(dtype=torch.float64, seed=0):
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    cfg = micro_qwen3_config(VOCAB)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
     if dtype == torch.float64:
         assert (

@@ -41,6 +41,12 @@ class CellLost(RuntimeError):
     """The worker process of a cell is gone (killed, crashed, its node lost)."""
 
 
+def worker_addrs(client: Client) -> set[str]:
+    """The workers the scheduler knows, asked of it now (see ``Cells.workers``)."""
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    return set(info["workers"])
+
+
 def stop_thread_profiler(worker) -> None:
     """Stop the worker's statistical profiler (``distributed.worker.profile``).
 
@@ -178,8 +184,15 @@ class Cells:
             raise CellLost(f"cell {cell_name(address)}: its worker is gone")
 
     def workers(self) -> set[str]:
-        """Addresses of every worker the scheduler knows now (cells and spares)."""
-        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+        """Addresses of every worker the scheduler knows now (cells and spares).
+
+        Asked of the scheduler each time, never read from the client's cache:
+        ``Client.scheduler_info()`` returns the client's cached identity, which its own
+        periodic refresh overwrites with one that lists no workers, and which stays
+        stale when a refresh fails; under load (another run starting on the host) every
+        cell then looked lost at once and the run stopped 120 s later. A failed query
+        raises (the executor retries at its next look)."""
+        return worker_addrs(self.client)
 
     def alive(self) -> set[str]:
         """Addresses of the cells the scheduler still knows (a dead cell drops out)."""
@@ -262,7 +275,7 @@ def start_cells(
         client = Client(cluster)
     try:
         client.register_plugin(CellPlugin(), name=PLUGIN_NAME)
-        addrs = sorted(client.scheduler_info()["workers"])[:n_cells]
+        addrs = sorted(worker_addrs(client))[:n_cells]
         cells = Cells(
             client=client,
             cluster=cluster,

@@ -129,6 +129,16 @@ def _build_root(spec: dict) -> None:
     root = spec["root"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount leaks to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    # /tmp first: an allow-listed path under /tmp (a project or venv checked out there) is
+    # bound on top of it, not hidden by it
+    os.makedirs(root + "/tmp")
+    _mount(
+        "tmpfs",
+        root + "/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={spec['tmp_mb']}m,mode=1777",
+    )
     for path in spec["ro_paths"]:
         if os.path.islink(path):  # e.g. /lib -> usr/lib on merged-/usr systems
             dst = root + path
@@ -144,14 +154,6 @@ def _build_root(spec: dict) -> None:
     for dev in ("null", "zero", "random", "urandom"):
         _bind(f"/dev/{dev}", f"{root}/dev/{dev}", readonly=False)
     _bind(spec["workspace"], root + "/workspace", readonly=False)
-    os.makedirs(root + "/tmp")
-    _mount(
-        "tmpfs",
-        root + "/tmp",
-        "tmpfs",
-        MS_NOSUID | MS_NODEV,
-        f"size={spec['tmp_mb']}m,mode=1777",
-    )
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(root + "/.old")

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from infra.engine.engine import Engine
+from infra.engine.server import EngineServer
 
 
 class ScriptedEngine(Engine):
@@ -52,3 +55,17 @@ class ScriptedEngine(Engine):
             tok = script[i] if i < len(script) else self.eos_token_ids[0]
             picks[b] = (tok, float(torch.log_softmax(logits[b].float(), dim=-1)[tok]))
         return picks
+
+
+@contextmanager
+def serving(engines: dict[str, Engine]) -> Iterator[dict[str, str]]:
+    """Each engine behind its own HTTP server; yields their base URLs by cell id and stops
+    the servers and closes the engines afterwards."""
+    servers = {c: EngineServer(e) for c, e in engines.items()}
+    try:
+        yield {c: s.start() for c, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+        for e in engines.values():
+            e.close()

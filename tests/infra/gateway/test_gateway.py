@@ -21,7 +21,7 @@ from infra.gateway.gateway import Gateway
 from storage.store import Store
 from storage.tito import common_prefix_len, reconstruct_inputs
 from storage.tito_log import table_to_records
-from tests.infra.gateway.fixtures import ScriptedEngine
+from tests.infra.gateway.fixtures import ScriptedEngine, serving
 
 pytestmark = pytest.mark.integration
 
@@ -46,13 +46,8 @@ def model_dir():
 def cells(model_dir):
     """Two engine servers (cells a and b)."""
     engines = {c: ScriptedEngine(model_dir, cell_id=c) for c in ("a", "b")}
-    servers = {c: EngineServer(e) for c, e in engines.items()}
-    urls = {c: s.start() for c, s in servers.items()}
-    yield engines, urls
-    for s in servers.values():
-        s.stop()
-    for e in engines.values():
-        e.close()
+    with serving(engines) as urls:
+        yield engines, urls
 
 
 @pytest.fixture

@@ -16,12 +16,11 @@ import time
 import httpx
 import pytest
 
-from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.store import Store
 from storage.tito_log import table_to_records
-from tests.infra.gateway.fixtures import ScriptedEngine
+from tests.infra.gateway.fixtures import ScriptedEngine, serving
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +40,8 @@ def cells(model_dir):
         "b": ScriptedEngine(model_dir, cell_id="b"),
         "c": ScriptedEngine(model_dir, cell_id="c", kv_cache_tokens=256),
     }
-    servers = {c: EngineServer(e) for c, e in engines.items()}
-    urls = {c: s.start() for c, s in servers.items()}
-    yield engines, urls
-    for s in servers.values():
-        s.stop()
-    for e in engines.values():
-        e.close()
+    with serving(engines) as urls:
+        yield engines, urls
 
 
 @pytest.fixture

@@ -113,7 +113,9 @@ def test_run_tests_in_the_sandbox_cannot_see_hidden_tests(tmp_path):
     peek = f"def test_peek():\n    print(open({str(hidden)!r}).read())\n"
     env.call_tool("build", "write_file", {"path": "tests/test_peek.py", "content": peek})
     out = env.call_tool("build", "run_tests", {})
-    assert "2 passed" in out and "1 failed" in out and "FileNotFoundError" in out, out
+    # namespaces: the file is not there; the rlimits fallback: the audit hook refuses it
+    assert "2 passed" in out and "1 failed" in out, out
+    assert "FileNotFoundError" in out or "is hidden" in out, out
     assert "last test run: " in env.progress().lower() and "1 failed" in env.progress()
 
 

@@ -66,6 +66,9 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+S3_TRIES = 1  # s3fs's retry loop per call; with_retries retries on top, within retry_s
+
+
 def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwargs):
     """Call ``fn`` at an I/O boundary, retrying transient errors with exponential backoff
     (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds."""
@@ -97,7 +100,13 @@ def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwarg
 
 
 def s3_options_from_env() -> dict[str, Any]:
-    opts: dict[str, Any] = {"use_listings_cache": False}
+    opts: dict[str, Any] = {
+        "use_listings_cache": False,
+        # one try per call at the transport (botocore's own retries; s3fs's are set on the
+        # file system, S3_TRIES): retries are with_retries' job, so that retry_s bounds a
+        # failing call (one call took ~10 s against a stopped endpoint otherwise)
+        "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}},
+    }
     endpoint = os.environ.get("GYRE_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         opts["endpoint_url"] = endpoint
@@ -138,6 +147,8 @@ class Store:
         self.storage_options = opts
         try:
             self.fs = fsspec.filesystem(protocol, **opts)
+            if protocol == "s3":
+                self.fs.retries = S3_TRIES  # s3fs's own retry loop (a class default of 5)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
         if not create:

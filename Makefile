@@ -35,7 +35,8 @@ test: $(STAMP) lint
 	$(BIN)/pytest -q -m "not slow and not gpu"
 
 # the long checks: performance targets as tests, faults (cells, trainer, run killed;
-# Ctrl-C), the deployment run, an external Dask cluster (~15 min on 2 cores)
+# Ctrl-C), the deployment run, an external Dask cluster, the mutation check and a
+# shortened learning demo (~17 min on 2 cores)
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m "slow and not gpu"
 

@@ -155,6 +155,16 @@ def _has_demonstrations(r: RolloutConfig) -> bool:
     return callable(getattr(suite, "demonstrations", None))
 
 
+# the tools suite's episodes as the demo and tools presets roll them out (one try per turn)
+_TOOLS_ROLLOUT: dict[str, Any] = {
+    "suite": "tools",
+    "difficulty": 1,
+    "subtasks": 3,
+    "group_size": 8,
+    "max_new_tokens": 32,
+    "max_attempts": 1,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # the smoke test: arithmetic, 2 steps, under a minute on 2 cores (Prefect start included)
     "tiny": {
@@ -163,17 +173,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval": {"every": 2, "tasks": 4},
     },
     # what `make demo` runs: RL on top of a supervised warm start, judged on held-out tasks
-    # (tools suite; about 6 minutes on 2 cores, the first time 2 more for the warm start)
+    # (tools suite; about 4-5 minutes on 2 cores, the first time 2 more for the warm start)
     "demo": {
-        "rollout": {
-            "suite": "tools",
-            "difficulty": 1,
-            "subtasks": 3,
-            "groups_per_step": 2,
-            "group_size": 8,
-            "max_new_tokens": 32,
-            "max_attempts": 1,
-        },
+        "rollout": {**_TOOLS_ROLLOUT, "groups_per_step": 2},
         # the warm start learns the format on the one-tool level; RL learns the two-tool
         # level (pick the tool the question names) from reward alone
         "train": {"steps": 50, "lr": 3e-4},
@@ -182,15 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # the tools suite at length: more steps, more held-out tasks
     "tools": {
-        "rollout": {
-            "suite": "tools",
-            "difficulty": 1,
-            "subtasks": 3,
-            "groups_per_step": 4,
-            "group_size": 8,
-            "max_new_tokens": 32,
-            "max_attempts": 1,
-        },
+        "rollout": {**_TOOLS_ROLLOUT, "groups_per_step": 4},
         "train": {"steps": 100, "lr": 3e-4},
         "warmstart": {"enabled": True, "steps": 200, "difficulty": 0},
         "eval": {"every": 20, "tasks": 64},

@@ -33,6 +33,7 @@ from flows.progress import Progress
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
 from storage.store import Store
+from tasks.env.heldout import train_task_seed
 from tasks.handles import GroupSpec
 from tasks.process import process_group
 from tasks.rollout import admin_token_variable, rollout_group
@@ -105,7 +106,7 @@ class PrefectWork:
         return GroupSpec(
             index=index,
             group_id=f"g{index}",
-            task_seed=r.seed * 1_000_003 + index * 1009,
+            task_seed=train_task_seed(r.seed, index),  # held-out seeds are checked against it
             subtasks=n,
             step=index // r.groups_per_step,
             env_step_s=env_s,

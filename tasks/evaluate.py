@@ -31,8 +31,8 @@ from storage.store import Store
 from tasks.env.config import RolloutConfig
 from tasks.env.harness import make_harness
 from tasks.env.heldout import EvalConfig
-from tasks.env.suite import HarnessContext, Outcome, SubtaskScore, load_suite
-from tasks.rollout import admin_token, harness_settings, new_session, run_session
+from tasks.env.suite import HarnessContext, load_suite
+from tasks.rollout import admin_token, harness_settings, new_session, run_session, score_env
 from tasks.trajectory.scoring import Score, score_rollout
 
 log = logging.getLogger(__name__)
@@ -48,18 +48,6 @@ class EvalDone:
     reward_mean: float
     session_ids: tuple[str, ...]
     seconds: float
-
-
-def _scores(suite: Any, env: Any, outcome: Outcome) -> list[SubtaskScore]:
-    try:
-        return list(suite.evaluate(env, outcome))
-    except Exception as exc:  # the evaluator is the suite's: record, never drop
-        reason = f"evaluator raised {type(exc).__name__}: {exc}"[:500]
-        log.exception("evaluating %s failed", env.task.task_id)
-        return [
-            SubtaskScore(s.subtask_id, 0.0, s.weight, None, "failed", reason, "evaluator")
-            for s in env.task.subtasks
-        ]
 
 
 def evaluate_version(
@@ -102,7 +90,7 @@ def evaluate_version(
             )
             ctx = HarnessContext(gateway_url, key, env, dataclasses.replace(settings, seed=seed))
             outcome = asyncio.run(run_session(harness, ctx, cfg.timeout_s))
-            scored = _scores(suite, env, outcome)
+            scored = score_env(suite, env, outcome)
         finally:
             try:
                 env.close()

@@ -124,7 +124,7 @@ async def run_session(harness, ctx: HarnessContext, timeout_s: float) -> Outcome
         return Outcome("failed", f"{type(exc).__name__}: {exc}"[:500])
 
 
-def _evaluate(suite, env, outcome: Outcome) -> list[SubtaskScore]:
+def score_env(suite, env, outcome: Outcome) -> list[SubtaskScore]:
     """The suite's scores; an evaluator that raises still yields a row per sub-task."""
     try:
         return list(suite.evaluate(env, outcome))
@@ -214,7 +214,7 @@ def roll_out_group(
             watcher.join(timeout=5)
         final = [o or Outcome("failed", "session thread did not end") for o in outcomes]
         with ThreadPoolExecutor(max_workers=min(4, len(envs))) as pool:
-            scored = list(pool.map(lambda eo: _evaluate(suite, *eo), zip(envs, final, strict=True)))
+            scored = list(pool.map(lambda eo: score_env(suite, *eo), zip(envs, final, strict=True)))
     finally:
         done.set()
         for env in envs:

@@ -159,6 +159,7 @@ class Cells:
             "harness": self.harness_slots,
         }
         self._run(address, _set_resources, resources, timeout=60)
+        self.client.run_on_scheduler(_schedule_unrunnable, address)
         self.roles[address] = role
 
     def run_on(self, address: str, fn, *args, **kwargs) -> Any:
@@ -207,6 +208,10 @@ class Cells:
         """What the scheduler says of a task (for errors that name what was waited for)."""
         return self.client.run_on_scheduler(_task_state, key)
 
+    def task_states(self, keys: list[Any]) -> dict[Any, str]:
+        """The scheduler's state of each task (``processing``, ``no-worker``, ...); one call."""
+        return self.client.run_on_scheduler(_task_states, list(keys))
+
     def pids(self) -> dict[str, int]:
         """Each worker's process id (tests kill cells by it)."""
         return self.client.run(os.getpid)
@@ -220,8 +225,33 @@ def _task_state(key: Any, dask_scheduler=None) -> str:
     return f"{ts.state}{where}"
 
 
+def _task_states(keys: list[Any], dask_scheduler=None) -> dict[Any, str]:
+    tasks = dask_scheduler.tasks
+    return {k: tasks[k].state if k in tasks else "forgotten" for k in keys}
+
+
 async def _set_resources(resources: dict[str, float], dask_worker=None) -> None:
     await dask_worker.set_resources(**resources)
+
+
+def _schedule_unrunnable(address: str, dask_scheduler=None) -> int:
+    """Send the ``no-worker`` tasks that worker ``address`` can now run to it.
+
+    Dask looks at tasks waiting for a worker with their resources when a worker joins
+    or resumes, not when a worker's resources change (``Scheduler.add_resources``). A
+    rollout task whose cell died while no other cell held a ``harness`` slot (both cells
+    lost at once; a restarted worker has no resources until it gets its role) waited
+    forever although its cell came back. This does what the scheduler does for a worker
+    that joins; returns how many tasks it sent."""
+    from distributed.core import Status
+
+    ws = dask_scheduler.workers.get(address)
+    if ws is None or ws.status != Status.running:
+        return 0
+    recs = dask_scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)
+    if recs:
+        dask_scheduler.transitions(recs, stimulus_id=f"gyre-set-role-{time.time()}")
+    return len(recs)
 
 
 async def _call_on_plugin(fn, args, kwargs, dask_worker=None):

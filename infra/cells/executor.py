@@ -32,7 +32,8 @@ worker the cluster gains next (the nanny restarts a killed worker) takes the los
 place and role: a rollout cell's engine starts with the newest weights before the gateway
 routes to it. The aborted step is then retried, the same step on the same samples from the
 same version, unless it committed before the loss (storage/commits.py). Rollout and
-processing tasks that died with a worker are rerun by Dask; each has a deadline.
+processing tasks that died with a worker are rerun by Dask; each has a deadline, and one
+that no cell can take (Dask's ``no-worker``) for longer than a heal stops the run.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ from tasks.sched.coordinator import (
 from tasks.train.dp import StepPlan, host_store
 
 log = logging.getLogger(__name__)
+
+UNRUNNABLE_CHECK_S = 5.0  # how often in-flight tasks are checked for waiting on no cell
 
 
 class ExecutorError(RuntimeError):
@@ -206,6 +209,8 @@ class Executor:
         self.lost_addr: dict[int, str] = {}
         self._cell_locks = [threading.RLock() for _ in self.addrs]
         self._watched = 0.0
+        self._unrunnable_checked = 0.0
+        self._no_worker: dict[int, float] = {}  # group -> since when no cell can run its task
         self._closing = threading.Event()
         self.shuffle_buffer = shuffle_buffer
         self.rng = random.Random(seed)
@@ -531,6 +536,7 @@ class Executor:
                     f"{g.phase} of group g{g.index} not done {self.job_timeout_s:.0f}s after "
                     f"it started (its Dask task: {self._describe(g.job)}); check the cells"
                 )
+        self._check_unrunnable(now)
         if self.step_jobs and self.step_retry is None:
             bound = self.step_timeout_s + self.heal_timeout_s
             late = time.time() - self.step_t0 - bound
@@ -541,6 +547,40 @@ class Executor:
                     f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
                 )
         return self._maybe_retry_step(now)
+
+    def _check_unrunnable(self, now: float) -> None:
+        """A rollout or processing task that no live cell can take (Dask's ``no-worker``:
+        no cell holds its resources) for longer than a heal is a fault, not a wait: the
+        run stops and says which, instead of waiting out the task's deadline."""
+        if now - self._unrunnable_checked < UNRUNNABLE_CHECK_S:
+            return
+        self._unrunnable_checked = now
+        keys = {
+            g.index: g.job.key
+            for g in self.groups.values()
+            if g.phase in ("rollout", "process")
+            and g.job is not None
+            and getattr(g.job, "key", None) is not None
+            and not g.job.done()
+        }
+        if not keys:
+            self._no_worker.clear()
+            return
+        try:
+            states = self.cells.task_states(list(keys.values()))
+        except Exception as exc:  # the scheduler is unreachable: say so, look again later
+            log.warning("cannot read the states of the rollout tasks: %s", exc)
+            return
+        waiting = [i for i, k in keys.items() if states.get(k) == "no-worker"]
+        self._no_worker = {i: self._no_worker.get(i, now) for i in waiting}
+        for i, since in self._no_worker.items():
+            if now - since > self.heal_timeout_s:
+                g = self.groups[i]
+                raise ExecutorError(
+                    f"{g.phase} of group g{i}: no cell could run its task for {now - since:.0f}s "
+                    f"(Dask state no-worker; bound cluster.heal_timeout_s="
+                    f"{self.heal_timeout_s:.0f}); cells and roles: {self.cells.roles}"
+                )
 
     def _describe(self, job: Job) -> str:
         key = getattr(job, "key", None)

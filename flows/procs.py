@@ -11,9 +11,10 @@
   those of a run whose process is gone (a SIGKILL, a lost terminal), so no Prefect server
   or cell outlives its run for long. Cells also die with the run's process by themselves
   (Dask's worker processes watch their parent).
-- **A bounded stop.** The first Ctrl-C (or SIGTERM) asks the run to stop: the loop ends,
-  rollouts are told to stop, answered calls are flushed to the store, cells stop their
-  engines and leave. If that takes more than ``STOP_BOUND_S``, or on a second Ctrl-C, the
+- **A bounded stop.** The first Ctrl-C (or SIGTERM) asks the run to stop: the loop ends
+  (at its next tick: the scheduling loop takes the request at a ``check_stop()``, never in
+  the middle of a library call), rollouts are told to stop, answered calls are flushed to
+  the store, cells stop their engines and leave. If that takes more than ``STOP_BOUND_S``, or on a second Ctrl-C, the
   run's processes are killed and it exits at once (exit status 130).
 """
 
@@ -233,11 +234,34 @@ class StopRequested(KeyboardInterrupt):
     """Ctrl-C or SIGTERM: the run stops (a KeyboardInterrupt, so nothing catches it)."""
 
 
+_stop: dict = {"points": 0, "requested": None}  # inside `stop_points`: deferred to a check
+
+
+@contextlib.contextmanager
+def stop_points() -> Iterator[None]:
+    """Inside, a stop request is raised by the next `check_stop()`, not wherever the main
+    thread happens to be: raised inside a library it can turn into another error (pydantic's
+    serializer, which Prefect runs on every task submit, wraps it in its own), and the run
+    would end as failed, with a traceback, instead of stopped. The scheduling loop checks
+    every tick; the stop bound still kills a loop that stopped checking."""
+    _stop["points"] += 1
+    try:
+        yield
+    finally:
+        _stop["points"] -= 1
+
+
+def check_stop() -> None:
+    """Raise the stop request that `stop_points` deferred (if any)."""
+    if _stop["requested"] is not None:
+        raise StopRequested(_stop["requested"])
+
+
 @contextlib.contextmanager
 def bounded_stop(bound_s: float = STOP_BOUND_S) -> Iterator[None]:
     """First Ctrl-C/SIGTERM: raise `StopRequested` in the main thread and give the run
     ``bound_s`` to wind down; after that, or at a second signal, kill everything."""
-    state = {"stopping": False}
+    state: dict = {"stopping": False, "name": ""}
 
     def abort(why: str) -> None:
         print(f"\ngyre run: {why}; killing the run's processes", file=sys.stderr, flush=True)
@@ -248,7 +272,7 @@ def bounded_stop(bound_s: float = STOP_BOUND_S) -> Iterator[None]:
         if state["stopping"]:
             abort("stopped again")
         state["stopping"] = True
-        name = signal.Signals(signum).name
+        state["name"] = name = signal.Signals(signum).name
         print(
             f"\ngyre run: {name}: stopping (at most {bound_s:.0f}s; Ctrl-C again to abort now)",
             file=sys.stderr,
@@ -257,11 +281,20 @@ def bounded_stop(bound_s: float = STOP_BOUND_S) -> Iterator[None]:
         timer = threading.Timer(bound_s, abort, args=(f"not stopped within {bound_s:.0f}s",))
         timer.daemon = True
         timer.start()
+        if _stop["points"]:
+            _stop["requested"] = name  # raised by the loop's next `check_stop()`
+            return
         raise StopRequested(name)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    _stop["requested"] = None
     try:
         yield
+    except Exception as exc:
+        if state["stopping"]:  # the stop ended the run through a library that wrapped it
+            raise StopRequested(state["name"]) from exc
+        raise
     finally:
+        _stop["requested"] = None
         for s, h in old.items():
             signal.signal(s, h)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from flows import live
 from flows.config import RunConfig
 from flows.evaluation import HeldOut
+from flows.procs import check_stop, stop_points
 from flows.progress import Progress
 from flows.report import write_report
 from infra.cells.executor import EngineSpec, Executor
@@ -260,25 +261,28 @@ def schedule(
     decisions = 0
     interrupted = False
     try:
-        while True:
-            for ev in ex.events(timeout=sc.tick_s):
-                coord.handle(ev)
-            held.poll(ex)  # held-out evaluations (flows/evaluation.py)
-            if ex.stats.steps >= steps:
-                break
-            state = coord.state()
-            for d in coord.handle(Tick(time.monotonic() - t0)):
-                if not isinstance(d, StartRollouts):
-                    decisions += 1
-                ex.apply(d, explain(d, state, cfg))
-            if bar.n != ex.stats.steps:
-                bar.update(ex.stats.steps - bar.n)
-                progress.update(ex.stats.steps, _reward(ex))
-                s = coord.state()
-                bar.set_postfix_str(
-                    f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
-                    f"{s.count('rollout')}R/{s.count('train')}T"
-                )
+        with stop_points():
+            while True:
+                check_stop()  # Ctrl-C/SIGTERM lands here (flows/procs.py)
+                for ev in ex.events(timeout=sc.tick_s):
+                    coord.handle(ev)
+                held.poll(ex)  # held-out evaluations (flows/evaluation.py)
+                if ex.stats.steps >= steps:
+                    break
+                state = coord.state()
+                for d in coord.handle(Tick(time.monotonic() - t0)):
+                    if not isinstance(d, StartRollouts):
+                        decisions += 1
+                    ex.apply(d, explain(d, state, cfg))
+                if bar.n != ex.stats.steps:
+                    bar.update(ex.stats.steps - bar.n)
+                    progress.update(ex.stats.steps, _reward(ex))
+                    s = coord.state()
+                    bar.set_postfix_str(
+                        f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
+                        f"{s.count('rollout')}R/{s.count('train')}T"
+                    )
+        check_stop()  # one that came during the last tick
     except BaseException:
         interrupted = True  # Ctrl-C, SIGTERM, or a failure: stop quickly
         raise

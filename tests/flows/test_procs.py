@@ -61,3 +61,36 @@ def test_orphans_of_a_killed_run_are_reaped_by_the_next_start(cache):
         bystander.kill()
         if child.is_running():
             child.kill()
+
+
+STOPPER = """
+import contextlib, os, signal, time
+from flows.procs import StopRequested, bounded_stop, check_stop, stop_points
+for deferred in (True, False):
+    try:
+        with bounded_stop(bound_s=60), (stop_points() if deferred else contextlib.nullcontext()):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while a library call is under way
+                time.sleep(0.5)
+                print("call finished", flush=True)
+            except BaseException as exc:
+                print(f"landed in the call: {exc!r}", flush=True)
+                raise RuntimeError("wrapped") from exc  # what pydantic's serializer does
+            check_stop()
+            print("no stop", flush=True)
+    except StopRequested as exc:
+        print(f"stopped {exc}", flush=True)
+"""
+
+
+def test_a_stop_is_raised_at_a_stop_point_and_ends_the_run_as_stopped():
+    out = subprocess.run(
+        [sys.executable, "-c", STOPPER], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "call finished",  # inside stop_points: deferred to check_stop()
+        "stopped SIGINT",
+        "landed in the call: StopRequested('SIGINT')",  # outside: raised where it lands,
+        "stopped SIGINT",  # and what the library made of it still ends the run as stopped
+    ], out.stdout + out.stderr

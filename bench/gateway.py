@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -374,6 +375,14 @@ def _agent_reqs(url: str, conn: int, calls: int, turns: int = TURNS) -> list[byt
     return out[:calls]
 
 
+def _py_spy() -> str:
+    """py-spy on PATH, or beside this Python (a venv's bin/ need not be on PATH)."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if not found:
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
+    return found
+
+
 def stub_part(procs: _Procs, transports: list[str], quick: bool, profile: str | None) -> dict:
     """Gateway CPU per call and calls/s on one core, against the stub engine."""
     two = (os.cpu_count() or 1) >= 2
@@ -402,7 +411,7 @@ def stub_part(procs: _Procs, transports: list[str], quick: bool, profile: str | 
         spy = None
         if profile:  # py-spy samples the first gateway over the measured blocks
             pid = str(gws[transports[0]][1].pid)
-            spy = subprocess.Popen(["py-spy", "record", "-o", profile, "-f", "raw", "-p", pid,
+            spy = subprocess.Popen([_py_spy(), "record", "-o", profile, "-f", "raw", "-p", pid,
                                     "-r", "250", "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         for b in range(blocks):
@@ -511,6 +520,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.serve_stub:
         _serve_stub(args)
         return {}
+    if args.profile:  # before anything starts
+        _py_spy()
 
     from infra.engine.tiny_model import make_tiny_model
     from infra.gateway.chat import ChatTokenizer

@@ -14,8 +14,9 @@
 - **A bounded stop.** The first Ctrl-C (or SIGTERM) asks the run to stop: the loop ends
   (at its next tick: the scheduling loop takes the request at a ``check_stop()``, never in
   the middle of a library call), rollouts are told to stop, answered calls are flushed to
-  the store, cells stop their engines and leave. If that takes more than ``STOP_BOUND_S``, or on a second Ctrl-C, the
-  run's processes are killed and it exits at once (exit status 130).
+  the store, cells stop their engines and leave. If that takes more than ``STOP_BOUND_S``,
+  or on a second Ctrl-C, the run's processes are killed and it exits at once (exit status
+  130).
 """
 
 from __future__ import annotations

@@ -206,10 +206,11 @@ class Cells:
 
     def task_state(self, key: Any) -> str:
         """What the scheduler says of a task (for errors that name what was waited for)."""
-        return self.client.run_on_scheduler(_task_state, key)
+        return self.task_states([key])[key]
 
     def task_states(self, keys: list[Any]) -> dict[Any, str]:
-        """The scheduler's state of each task (``processing``, ``no-worker``, ...); one call."""
+        """The scheduler's state of each task (``no-worker``, ``processing on <worker>``,
+        ...); one call for all."""
         return self.client.run_on_scheduler(_task_states, list(keys))
 
     def pids(self) -> dict[str, int]:
@@ -217,17 +218,16 @@ class Cells:
         return self.client.run(os.getpid)
 
 
-def _task_state(key: Any, dask_scheduler=None) -> str:
-    ts = dask_scheduler.tasks.get(key)
-    if ts is None:
-        return "not known to the scheduler"
-    where = f" on {ts.processing_on.address}" if ts.processing_on is not None else ""
-    return f"{ts.state}{where}"
-
-
 def _task_states(keys: list[Any], dask_scheduler=None) -> dict[Any, str]:
-    tasks = dask_scheduler.tasks
-    return {k: tasks[k].state if k in tasks else "forgotten" for k in keys}
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            out[key] = "not known to the scheduler"
+            continue
+        where = f" on {ts.processing_on.address}" if ts.processing_on is not None else ""
+        out[key] = f"{ts.state}{where}"
+    return out
 
 
 async def _set_resources(resources: dict[str, float], dask_worker=None) -> None:

@@ -37,6 +37,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.preflight import preflight
     from flows.procs import bounded_stop, forget, prefect_api, reap_orphans
     from flows.resume import new_run_id, resume_config
+    from storage.lease import LeaseHeld, check_free
+    from storage.store import Store
 
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
     try:  # fail before anything starts
@@ -54,6 +56,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
     run_id = cfg.run_id or new_run_id()  # named here, so that a stopped run can be resumed
+    try:  # another process writing this run: say so before starting anything
+        check_free(Store(cfg.store), run_id)
+    except LeaseHeld as exc:
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
     what = f"resume={args.resume}" if args.resume else f"preset={args.preset}"
     print(
         f"gyre run: {run_id} {what} store={cfg.store} steps={cfg.train.steps} "
@@ -72,6 +79,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 run_id=run_id,
                 resume=bool(args.resume),
             )
+    except LeaseHeld as exc:  # taken between the check above and the run's start
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:
         print(f"gyre run: stopped ({exc or 'SIGINT'}); continue it with `gyre run --resume "
               f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip

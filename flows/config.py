@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,12 @@ from flows.warmstart import DEMO_SEED0, WarmStartConfig
 from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
 from infra.gateway.config import GatewayConfig
+from storage.paths import RUN_ID_RULE, RunIdError, check_run_id
 from tasks.env.config import RolloutConfig
 from tasks.env.heldout import EvalConfig, eval_seeds, seed_overlap
 from tasks.sched.config import SchedulerConfig, cell_problems
 from tasks.train.config import TrainConfig
 
-SAFE_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 STORE_PROTOCOLS = ("file", "s3", "s3a", "memory")
 
 
@@ -78,11 +77,11 @@ class RunConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v: str | None) -> str | None:
-        if v is not None and not SAFE_RUN_ID.match(v):
-            raise ValueError(
-                "a run id becomes a directory name: use 1-100 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit (no '/', no '..')"
-            )
+        if v is not None:
+            try:
+                check_run_id(v)
+            except RunIdError:
+                raise ValueError(f"a run id becomes a directory name: use {RUN_ID_RULE}") from None
         return v
 
     @field_validator("store")

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from flows.config import ConfigError, RunConfig, load_config
 from storage.checkpoints import latest_version
 from storage.commits import last_committed, roll_forward
+from storage.paths import RunIdError, check_run_id
 from storage.store import Store
 
 _GROUP = re.compile(r"^g(\d+)$")
@@ -62,6 +63,10 @@ def resume_config(
 ) -> RunConfig:
     """The settings a resumed run continues with: its stored ones, then ``overrides``.
     Raises `ConfigError` (naming the fix) when the store holds no such run."""
+    try:
+        check_run_id(run_id)  # before it names any path
+    except RunIdError as exc:
+        raise ConfigError([f"--resume: {exc}"]) from None
     st = Store(store, create=False)
     base = stored_config(st, run_id)
     if base is None:

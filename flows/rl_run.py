@@ -37,6 +37,7 @@ from infra.cells.cluster import default_worker_env, start_cells
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.checkpoints import publish_checkpoint
+from storage.lease import Lease
 from storage.paths import spool_dir
 from storage.sql import query
 from storage.store import Store
@@ -134,9 +135,18 @@ def rl_run(
     """
     cfg = resolve(preset, overrides or [], store, config_file, run_id, resume)
     preflight(cfg)  # a deployment run checks the world too, before anything starts
-    logger = get_run_logger()
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
+    # one writer per run: a second run (or `gyre serve`) of this run id is refused
+    with Lease(st, run_id, f"gyre run ({'resume' if resume else 'new'})"):
+        return _run(cfg, st, run_id, preset, resume, more_steps)
+
+
+def _run(
+    cfg: RunConfig, st: Store, run_id: str, preset: str | None, resume: bool, more_steps: int | None
+) -> dict[str, Any]:
+    """The run's body, while this process holds the run's lease."""
+    logger = get_run_logger()
     t0 = time.monotonic()
     model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
     spool = spool_dir(st.url, run_id)

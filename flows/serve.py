@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from storage.paths import serve_records_dir, spool_dir
+from storage.paths import RunIdError, check_run_id, serve_records_dir, spool_dir
 
 DEFAULT_SERVE_RUN_ID = "serve"
 
@@ -108,16 +108,15 @@ def _check_port_free(port: int) -> None:
 
 
 def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> int:
-    import secrets
-
-    from infra.engine.engine import Engine
-    from infra.engine.server import EngineServer
-    from infra.engine.tiny_model import make_tiny_model
-    from infra.gateway.gateway import Gateway
+    from storage.lease import Lease
     from storage.store import Store
 
     stop = _stop_on_signals()
     run_id = run_id or DEFAULT_SERVE_RUN_ID
+    try:
+        check_run_id(run_id)  # it names the spool directory, which holds session keys
+    except RunIdError as exc:
+        raise ServeError(f"--run-id: {exc}") from None
     store = Store(store_url)
     for rec in live_records():
         if rec.port == port:
@@ -126,6 +125,19 @@ def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> i
                 "stop it or pick another --port"
             )
     _check_port_free(port)
+    # one writer per run: a second `gyre serve` (or a `gyre run`) of this run id is refused
+    with Lease(store, run_id, f"gyre serve (port {port})", on_lost=stop.set):
+        return _serve(model, store, port, run_id, stop)
+
+
+def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Event) -> int:
+    """The server's life, while this process holds the run's lease."""
+    import secrets
+
+    from infra.engine.engine import Engine
+    from infra.engine.server import EngineServer
+    from infra.engine.tiny_model import make_tiny_model
+    from infra.gateway.gateway import Gateway
 
     model_dir = model or make_tiny_model()
     engine = Engine(model_dir, cell_id="serve")
@@ -193,9 +205,11 @@ def new_session(url: str | None, admin_token: str | None, port: int | None) -> d
 
 
 def main_serve(args) -> int:
+    from storage.lease import LeaseHeld
+
     try:
         return serve(args.model, args.store, args.port, args.run_id)
-    except ServeError as exc:
+    except (ServeError, LeaseHeld) as exc:
         print(f"gyre serve: {exc}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ the marker commits the checkpoint, the step, and the samples it consumed togethe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,14 +96,37 @@ def fetch_checkpoint(
     dest = os.path.join(cache_dir, store.root.replace("/", "_"), run_id, f"v{version}")
     if os.path.exists(os.path.join(dest, _MARK)):
         return dest
+    # Other processes may fetch the same version at once, and one may already be loading
+    # from ``dest``: download into a directory of our own beside it, then rename it into
+    # place in one step. The loser of that race drops its copy; a complete ``dest`` is never
+    # deleted or changed.
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".tmp-")
-    for name in store.listdir(rel):
-        if not with_optimizer and name.startswith("optimizer"):
-            continue
-        with open(os.path.join(tmp, name), "wb") as fh:
-            fh.write(store.read_bytes(f"{rel}/{name}"))
-    if os.path.exists(dest):
-        shutil.rmtree(dest, ignore_errors=True)
-    os.replace(tmp, dest)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=f".v{version}-tmp-")
+    try:
+        for name in store.listdir(rel):
+            if not with_optimizer and name.startswith("optimizer"):
+                continue
+            with open(os.path.join(tmp, name), "wb") as fh:
+                fh.write(store.read_bytes(f"{rel}/{name}"))
+        _rename_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; ours alone otherwise
     return dest
+
+
+def _rename_into_place(tmp: str, dest: str) -> None:
+    """Rename the complete directory ``tmp`` to ``dest`` unless a complete ``dest`` is there
+    already (then ``tmp`` is left for the caller to drop). An incomplete ``dest`` (an
+    interrupted copy of an older gyre) is moved aside first, never read from."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, dest)  # atomic; fails if dest is a non-empty directory
+            return
+        except OSError:
+            if os.path.exists(os.path.join(dest, _MARK)):
+                return  # another process won the race: its copy stands
+            aside = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".stale-")
+            with contextlib.suppress(FileNotFoundError):  # someone else moved it first
+                os.rename(dest, os.path.join(aside, "d"))
+            shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(f"could not place checkpoint at {dest}")

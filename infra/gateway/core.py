@@ -21,7 +21,13 @@ from infra.engine_api.client import EngineError
 from infra.gateway.chat import ChatTokenizer, SessionCalls
 from infra.gateway.pipeline import CallPipeline
 from infra.gateway.router import EngineHandle, Router
-from infra.gateway.sessions import Session, SessionTable, read_key_journal, restore_calls
+from infra.gateway.sessions import (
+    Session,
+    SessionTable,
+    end_torn_line,
+    read_key_journal,
+    restore_calls,
+)
 from storage.store import Store
 from storage.tito_log import TitoLog, table_to_records
 
@@ -71,6 +77,7 @@ class GatewayCore:
         self._restore_table = None
         self._restore_keys: dict = {}
         self._keys_path = os.path.join(self.spool_dir, "chatkeys.bin")
+        end_torn_line(self._keys_path)  # a crash's torn last line is not glued to the next
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
         self.router = Router(engine_transport)
         self.pipeline = CallPipeline(self)

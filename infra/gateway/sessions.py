@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import secrets
 import threading
@@ -21,6 +22,9 @@ import numpy as np
 
 from infra.gateway.call_index import ChatInput, SessionCalls
 from storage.tito import TitoRecord, reconstruct_inputs
+
+log = logging.getLogger(__name__)
+_LINE_START = '{"session_id": '  # how every journal line begins (json.dumps of a dict)
 
 
 @dataclass(eq=False)
@@ -64,11 +68,17 @@ class SessionTable:
         self._lock = threading.Lock()
         self._journal = journal
         if journal and os.path.exists(journal):
-            with open(journal, encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        d = json.loads(line)
-                    except ValueError:  # a torn last line: that session was never handed out
+            with open(journal, encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh, 1):
+                    d = _journal_entry(line)
+                    if d is None:
+                        if line.strip():
+                            log.warning(
+                                "session journal %s: line %d is torn (a full disk or a crash "
+                                "mid-write): skipped, its session was never handed out",
+                                journal,
+                                n,
+                            )
                         continue
                     self._put(
                         Session(
@@ -94,12 +104,7 @@ class SessionTable:
                 line = json.dumps(
                     {"session_id": sid, "key": s.key, "group_id": group_id, "meta": s.meta}
                 )
-                # the journal holds API keys: readable by this user only
-                fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                with os.fdopen(fd, "a", encoding="utf-8") as fh:
-                    fh.write(line + "\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                append_line(self._journal, line.encode())
             self._put(s)
         return s
 
@@ -118,6 +123,51 @@ class SessionTable:
 
     def all(self) -> list[Session]:
         return list(self._by_id.values())
+
+
+def _journal_entry(line: str) -> dict | None:
+    """One journal line's session, or None for a torn line. A whole line glued after a torn
+    one (written by gyre before torn lines were ended) is still read."""
+    for start in (0, line.rfind(_LINE_START)):
+        if start < 0:
+            continue
+        try:
+            d = json.loads(line[start:])
+        except ValueError:
+            continue
+        if isinstance(d, dict) and isinstance(d.get("session_id"), str) and "key" in d:
+            return d
+    return None
+
+
+def append_line(path: str, data: bytes) -> None:
+    """Append ``data`` as one line, fsynced, to a journal readable by this user only (it holds
+    API keys). If the file does not end in a newline (its last write was torn by a full disk
+    or a crash), a new line is started first, so this one is never glued to the torn one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data + b"\n")
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def end_torn_line(path: str) -> None:
+    """End a journal's torn last line (if any), before appending to it through a plain file."""
+    try:
+        with open(path, "rb+") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+    except FileNotFoundError:
+        pass
 
 
 # -- restart: rebuilding a session's call index --------------------------------------------

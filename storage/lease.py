@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 180.0  # past the store's retry bound (120 s), so an outage alone keeps it
 _TRIES = 8  # compare-and-swap rounds before giving up on a contended lease
+_S3 = ("s3", "s3a")  # s3fs: conditional writes
 
 
 class LeaseHeld(RuntimeError):
@@ -168,7 +169,7 @@ class _File:
         fs = self.store.fs
         tag = None
         try:
-            if self.store.protocol == "s3":  # the ETag first: a newer body then fails If-Match
+            if self.store.protocol in _S3:  # the ETag first: a newer body then fails If-Match
                 tag = self._call("stat", fs.info, self.path).get("ETag")
             body = self._call("read", fs.cat_file, self.path)
         except FileNotFoundError:
@@ -179,20 +180,19 @@ class _File:
             rec = {"token": None, "released": True}
         return (rec if isinstance(rec, dict) else {"token": None, "released": True}), tag
 
-    def write(self, rec: dict, tag: str | None, *, create: bool) -> str | None:
+    def write(self, rec: dict, tag: str | None, *, create: bool) -> None:
         data = json.dumps(rec).encode()
         if self.store.protocol == "file":  # under the flock: no one else is deciding
             self.store.write_bytes(self.rel, data)
-            return None
-        if self.store.protocol == "s3":
+            return
+        if self.store.protocol in _S3:
             cond = {"mode": "create"} if create else {"IfMatch": tag}
-            out = self._call("put", self.store.fs.pipe_file, self.path, data, **cond)
-            return out.get("ETag") if isinstance(out, dict) else None
+            self._call("put", self.store.fs.pipe_file, self.path, data, **cond)
+            return
         self._call("put", self.store.fs.pipe_file, self.path, data)
         back, _ = self.read()  # no atomic primitive: the last writer's token stands
         if not back or back.get("token") != rec.get("token"):
             raise _Conflict("another writer's lease was read back")
-        return None
 
 
 # -- the lease -------------------------------------------------------------------------
@@ -218,7 +218,6 @@ class Lease:
         self.taken_over: dict | None = None  # the dead holder's record, when taken over
         self.lost = False
         self._file = _File(store, lease_relpath(run_id))
-        self._tag: str | None = None
         self._since = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -250,7 +249,7 @@ class Lease:
                     raise LeaseHeld(self.store.url, self.run_id, rec)
                 prev, self._since = rec, now
                 try:
-                    self._tag = self._file.write(self._record(now), tag, create=rec is None)
+                    self._file.write(self._record(now), tag, create=rec is None)
                     break
                 except _Conflict:
                     continue  # someone else wrote first: look again
@@ -279,7 +278,7 @@ class Lease:
             if rec is None or rec.get("token") != self.token:
                 raise LeaseLost(f"lease of run {self.run_id!r} lost to {rec}")
             try:
-                self._tag = self._file.write(self._record(time.time()), tag, create=False)
+                self._file.write(self._record(time.time()), tag, create=False)
             except _Conflict as exc:
                 raise LeaseLost(f"lease of run {self.run_id!r} lost: {exc}") from exc
 

@@ -95,3 +95,15 @@ def test_the_paths_refuse_bad_run_ids_as_a_last_guard():
             spool_dir("./store", bad)
     for good in ("serve", "run-20261201-161600-abc123", "a.b_c-1", "a" * 100):
         assert check_run_id(good) == good
+
+
+def test_the_flow_itself_refuses_a_held_run(prefect_harness, tmp_path):
+    """A deployment run (no CLI in front) is refused too, before it writes anything."""
+    from flows.rl_run import rl_run
+    from storage.lease import Lease, LeaseHeld
+    from storage.store import Store
+
+    st = Store(str(tmp_path / "store"))
+    with Lease(st, "held", "gyre serve (port 1)"), pytest.raises(LeaseHeld, match="port 1"):
+        rl_run(preset="tiny", store=st.url, run_id="held", resume=True)
+    assert not st.exists("checkpoints") and not st.exists("runs")

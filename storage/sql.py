@@ -12,7 +12,13 @@ DuckDB's statement API and must be exactly one SELECT (``WITH``, ``FROM x``,
 runs with ``enable_external_access=false`` and the store as its only allowed
 directory, and ``lock_configuration`` refuses any attempt to change that. So
 COPY/ATTACH/INSTALL/LOAD/PRAGMA/SET, a second statement, and files outside the
-store are all refused before anything is touched.
+store are all refused before anything is touched. DuckDB resolves links before it
+checks a path, so a link in the store pointing out of it is refused too. The
+connection has no temporary directory (DuckDB's default, ``./.tmp``, would be a
+readable place outside the store), so a query larger than memory fails, never spills.
+
+A query can put any text in an error (``error('...')``), so an error's text never
+decides what is moved: see `query`.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     try:
         store = Store(args.store, create=False, retry_s=SQL_STORE_RETRY_S)
     except StoreError as exc:
-        print(f"gyre sql: {exc}", file=sys.stderr)
+        print(f"gyre sql: --store {args.store!r}: {exc}", file=sys.stderr)
         return 2
     try:
         print(format_table(query(store, args.query or VIEW_COUNTS), args.format))

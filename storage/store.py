@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import random
 import time
 import uuid
@@ -51,6 +52,31 @@ _PERMANENT_NAMES = ("Credential", "ParamValidation", "InvalidRegion", "NoRegion"
 
 class StoreError(RuntimeError):
     """A store URL cannot be used, or an object-store call kept failing."""
+
+
+def url_problem(url: str, *, shared: bool = False) -> str | None:
+    """Why ``url`` cannot name a store, judged from the URL alone (no I/O), or None.
+
+    ``shared``: the store must be reachable from other processes (a run's cells and
+    engines), which a ``memory://`` store, living inside one process, is not.
+    """
+    if not url.strip():
+        return "empty: give a directory or s3://bucket/prefix"
+    protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    if protocol in ("s3", "s3a") and not rest.strip("/"):
+        return f"{protocol}:// names no bucket: give s3://bucket or s3://bucket/prefix"
+    if protocol in ("s3", "s3a") and rest.startswith("/"):
+        return f"{protocol}:///... names no bucket (three slashes): give s3://bucket/prefix"
+    if protocol == "memory" and shared:
+        return (
+            "a memory:// store lives inside one process, and a run's cells and engines are "
+            "other processes that cannot see it: use a directory or s3://bucket/prefix"
+        )
+    return None
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -128,8 +154,8 @@ class Store:
         (a missing directory or bucket) instead of making one: for readers such as
         ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried.
         """
-        if not url:
-            raise StoreError("empty store URL; pass a directory or s3://bucket/prefix")
+        if (why := url_problem(url)) is not None:
+            raise StoreError(why)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol == "file":
             path = url.split("://", 1)[1] if "://" in url else url
@@ -151,6 +177,11 @@ class Store:
                 self.fs.retries = S3_TRIES  # s3fs's own retry loop (a class default of 5)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
+        if protocol == "file" and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StoreError(
+                f"{self.root} is a file, not a store directory; give a "
+                "directory (a run creates it) or s3://bucket/prefix"
+            )
         if not create:
             if not self.exists():
                 raise StoreError(
@@ -168,7 +199,16 @@ class Store:
         return (_reopen, (url, self.storage_options, self.retry_s))
 
     def _retry(self, what: str, fn, *args, **kwargs):
-        return with_retries(what, fn, *args, retry_s=self.retry_s, **kwargs)
+        try:
+            return with_retries(what, fn, *args, retry_s=self.retry_s, **kwargs)
+        except Exception as exc:
+            if _no_credentials(exc):
+                raise StoreError(
+                    f"no AWS credentials found for {self.url} ({what}: {exc}); set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or "
+                    "~/.aws/credentials) for the bucket, or use a local directory as --store"
+                ) from exc
+            raise
 
     # -- paths -------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -242,8 +282,45 @@ class Store:
         table = pa.concat_tables(tables, promote_options="default")
         return table if schema is None else table.select(schema.names).cast(schema)
 
+    def own_segment(self, path: str) -> str | None:
+        """``path`` as one of this store's own segments, or None.
+
+        A segment is a ``part-*.parquet`` file directly under one of the store's dataset
+        directories (``{root}/{dataset}/``). The path is normalised (``..``) and, on a
+        local file system, its links are resolved, so a path that only *spells* a place
+        in the store (``{root}/../x``, a link in a dataset directory pointing elsewhere)
+        is not one. Returns the segment's path in the store's own form.
+        """
+        p = path.split("://", 1)[1] if "://" in path else path
+        if self.protocol == "file":
+            rel = os.path.relpath(os.path.realpath(p), os.path.realpath(self.root))
+            parts = rel.split(os.sep)
+        else:
+            norm = posixpath.normpath("/" + p).strip("/")
+            root = self.root.strip("/")
+            if not norm.startswith(root + "/"):
+                return None
+            parts = norm[len(root) + 1 :].split("/")
+        if len(parts) != 2:
+            return None
+        dataset, name = parts
+        if dataset in ("", ".", "..", "checkpoints") or dataset[0] in "_.":
+            return None
+        if not (name.startswith("part-") and name.endswith(".parquet")):
+            return None
+        return self.path(dataset, name)
+
     def read_segment(self, path: str) -> pa.Table | None:
-        """One segment; a segment that cannot be decoded is quarantined (None)."""
+        """One of the store's own segments, decoded in full; a segment that cannot be
+        decoded is quarantined (None). Anything but an own segment (`own_segment`) is
+        refused with a `StoreError` before it is read."""
+        seg = self.own_segment(path)
+        if seg is None:
+            raise StoreError(
+                f"store: {path} is not a segment of {self.url} (a link or a path leading "
+                "out of the store?); it is not read"
+            )
+        path = seg
         data = self._retry(f"get {path}", self.fs.cat_file, path)
         try:
             return pq.read_table(pa.BufferReader(data))
@@ -252,8 +329,19 @@ class Store:
             return None
 
     def quarantine(self, path: str, why: str) -> str:
-        """Move a bad segment out of its dataset into ``_quarantine/`` with a note."""
-        rel = path[len(self.root) :].strip("/") if path.startswith(self.root) else path
+        """Move a bad segment out of its dataset into ``_quarantine/`` with a note.
+
+        Only the store's own segments (`own_segment`) are ever moved: anything else,
+        such as a path outside the store, is refused with a `StoreError`.
+        """
+        seg = self.own_segment(path)
+        if seg is None:
+            raise StoreError(
+                f"store: {path} cannot be read ({why}) and is not a segment of {self.url}, "
+                "so it is not quarantined; remove it from the store by hand"
+            )
+        path = seg
+        rel = path[len(self.root) :].strip("/")
         dest = self.path(QUARANTINE, rel)
         note = json.dumps({"segment": path, "why": why, "t": time.time()})
         if self.protocol == "file":

@@ -72,6 +72,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                 run_id=run_id,
                 resume=bool(args.resume),
             )
+    except Exception as exc:
+        if (outage := _store_outage(exc)) is None:
+            raise
+        # the store stayed unreachable past its bound: one line, not a traceback
+        print(f"gyre run: {outage}; continue it with `gyre run --resume {run_id} --store "
+              f"{cfg.store}` once the store is back", file=sys.stderr)  # fmt: skip
+        forget()
+        return 1
     except KeyboardInterrupt as exc:
         print(f"gyre run: stopped ({exc or 'SIGINT'}); continue it with `gyre run --resume "
               f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip
@@ -91,6 +99,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     print(f"continue it:  gyre run --resume {rid} --store {summary['store']} train.steps=N")
     return 0
+
+
+def _store_outage(exc: BaseException) -> BaseException | None:
+    """The store outage behind ``exc`` (itself, or what caused it), if one is."""
+    from storage.store import StoreError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, StoreError) and e.outage:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def cmd_sql(args: argparse.Namespace) -> int:

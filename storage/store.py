@@ -42,8 +42,8 @@ from storage.schemas import SCHEMAS
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 120.0  # how long a run waits out an object-store outage
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.2, 5.0
-QUARANTINE = "_quarantine"
+RETRY_ENV = "GYRE_STORE_RETRY_S"  # sets that bound for a run and its cells (inherited)
+
 
 # errors that say "this will not get better by waiting"
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -51,7 +51,48 @@ _PERMANENT_NAMES = ("Credential", "ParamValidation", "InvalidRegion", "NoRegion"
 
 
 class StoreError(RuntimeError):
-    """A store URL cannot be used, or an object-store call kept failing."""
+    """A store URL cannot be used, or an object-store call kept failing.
+
+    ``outage``: the store at ``url`` was unreachable past the bound. Such an error
+    carries that knowledge to the process that receives it (a cell's task failing in the
+    flow's process): unpickling it records the outage there too, so that process's own
+    calls to the store fail at once instead of waiting out a second bound.
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, outage: bool = False):
+        super().__init__(message)
+        self.url, self.outage = url, outage
+
+    def __reduce__(self):
+        return (_store_error, (str(self), self.url, self.outage))
+
+
+def _store_error(message: str, url: str | None, outage: bool) -> StoreError:
+    if outage and url is not None:
+        _OUTAGES.setdefault(url, time.monotonic())
+    return StoreError(message, url=url, outage=outage)
+
+
+# store URL -> when this process learnt that it is unreachable (see with_retries)
+_OUTAGES: dict[str, float] = {}
+
+
+def default_retry_s() -> float:
+    """The outage bound: ``$GYRE_STORE_RETRY_S`` seconds, else `DEFAULT_RETRY_S`."""
+    raw = os.environ.get(RETRY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86400:
+        raise StoreError(f"{RETRY_ENV}={raw!r}: not a number of seconds in (0, 86400); unset it")
+    return value
+
+
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.2, 5.0
+QUARANTINE = "_quarantine"
 
 
 def url_problem(url: str, *, shared: bool = False) -> str | None:
@@ -95,24 +136,48 @@ def is_transient(exc: BaseException) -> bool:
 S3_TRIES = 1  # s3fs's retry loop per call; with_retries retries on top, within retry_s
 
 
-def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwargs):
+def with_retries(
+    what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, outage_key: str | None = None, **kwargs
+):
     """Call ``fn`` at an I/O boundary, retrying transient errors with exponential backoff
-    (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds."""
+    (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds.
+
+    ``outage_key`` (a store's URL) bounds an outage once per process, not once per call:
+    a call that waits out the bound records the outage, and from then on, for one more
+    bound, every call to that store, those already waiting included, fails at its next
+    transient error instead of waiting again; a success clears it. So a run whose store
+    goes away ends within about one bound with one error, however many calls were made.
+    """
     deadline = time.monotonic() + retry_s
     delay, attempt = _BACKOFF_FIRST_S, 0
     while True:
         attempt += 1
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            left = deadline - now
+            down = _OUTAGES.get(outage_key) if outage_key is not None else None
+            if down is not None and now - down >= retry_s:
+                _OUTAGES.pop(outage_key, None)  # long ago: wait this one out again
+                down = None
+            if left <= 0 or down is not None:
+                if outage_key is not None:
+                    _OUTAGES.setdefault(outage_key, now)
+                waited = (
+                    f"kept failing for {retry_s:.0f}s ({attempt} attempts)"
+                    if down is None
+                    else f"failed: the store has been unreachable for {now - down:.0f}s "
+                    "(the bound was waited out once already)"
+                )
                 raise StoreError(
-                    f"store: {what} kept failing for {retry_s:.0f}s ({attempt} attempts): "
-                    f"{type(exc).__name__}: {exc}; check that the store is reachable"
-                ) from exc
+                    f"store: {what} {waited}: {type(exc).__name__}: {exc}; check that the "
+                    "store is reachable",
+                    url=outage_key,
+                    outage=True,
+                ) from None  # the message says it all: one traceback, not four
             log.warning(
                 "store: %s failed (attempt %d, retrying for %.0fs more): %s: %s",
                 what,
@@ -123,6 +188,10 @@ def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwarg
             )
             time.sleep(min(delay * (0.5 + random.random()), left))
             delay = min(delay * 2, _BACKOFF_MAX_S)
+        else:
+            if outage_key is not None:
+                _OUTAGES.pop(outage_key, None)
+            return result
 
 
 def s3_options_from_env() -> dict[str, Any]:
@@ -148,11 +217,12 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         *,
         create: bool = True,
-        retry_s: float = DEFAULT_RETRY_S,
+        retry_s: float | None = None,
     ):
         """Open the store at ``url``. ``create=False`` refuses a store that does not exist
         (a missing directory or bucket) instead of making one: for readers such as
-        ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried.
+        ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried
+        (`default_retry_s` when None).
         """
         if (why := url_problem(url)) is not None:
             raise StoreError(why)
@@ -165,7 +235,7 @@ class Store:
             self.root = url.split("://", 1)[1].rstrip("/")
             self.url = f"{protocol}://{self.root}"
         self.protocol = protocol
-        self.retry_s = float(retry_s)
+        self.retry_s = float(retry_s) if retry_s is not None else default_retry_s()
         self.quarantined: list[str] = []
         opts = dict(storage_options or {})
         if protocol == "s3":
@@ -200,7 +270,9 @@ class Store:
 
     def _retry(self, what: str, fn, *args, **kwargs):
         try:
-            return with_retries(what, fn, *args, retry_s=self.retry_s, **kwargs)
+            return with_retries(
+                what, fn, *args, retry_s=self.retry_s, outage_key=self.url, **kwargs
+            )
         except Exception as exc:
             if _no_credentials(exc):
                 raise StoreError(

@@ -472,7 +472,7 @@ class Store:
     def get_dir(self, relpath: str, local_dir: str) -> str:
         """Copy a store directory's files (flat) to a local directory."""
         os.makedirs(local_dir, exist_ok=True)
-        for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False):
+        for p in self._retry(f"list {relpath}", self.fs.ls, self.path(relpath), detail=False):
             name = p.rstrip("/").rsplit("/", 1)[-1]
             data = self._retry(f"get {p}", self.fs.cat_file, p)
             with open(os.path.join(local_dir, name), "wb") as fh:
@@ -483,7 +483,9 @@ class Store:
         try:
             return sorted(
                 p.rstrip("/").rsplit("/", 1)[-1]
-                for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False)
+                for p in self._retry(
+                    f"list {relpath}", self.fs.ls, self.path(relpath), detail=False
+                )
             )
         except FileNotFoundError:
             return []

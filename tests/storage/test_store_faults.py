@@ -165,7 +165,7 @@ def test_an_outage_is_waited_out_once_per_process_with_one_clear_error(free_port
         # every later call fails at once, saying why, instead of waiting out a second bound
         for call in (lambda: st.read("cells"), lambda: Store("s3://bkt/out").exists()):
             t1 = time.monotonic()
-            with pytest.raises(StoreError, match="unreachable for .*check that the store"):
+            with pytest.raises(StoreError, match=r"unreachable for .*check that the store"):
                 call()
             assert time.monotonic() - t1 < 2.0
 

@@ -82,6 +82,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LeaseHeld as exc:  # taken between the check above and the run's start
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if (outage := _store_outage(exc)) is None:
+            raise
+        # the store stayed unreachable past its bound: one line, not a traceback
+        print(f"gyre run: {outage}; continue it with `gyre run --resume {run_id} --store "
+              f"{cfg.store}` once the store is back", file=sys.stderr)  # fmt: skip
+        forget()
+        return 1
     except KeyboardInterrupt as exc:
         print(f"gyre run: stopped ({exc or 'SIGINT'}); continue it with `gyre run --resume "
               f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip
@@ -103,6 +111,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_outage(exc: BaseException) -> BaseException | None:
+    """The store outage behind ``exc`` (itself, or what caused it), if one is."""
+    from storage.store import StoreError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, StoreError) and e.outage:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     from storage.sql import VIEW_COUNTS, SqlError, format_table, query
     from storage.store import Store, StoreError
@@ -110,7 +132,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     try:
         store = Store(args.store, create=False, retry_s=SQL_STORE_RETRY_S)
     except StoreError as exc:
-        print(f"gyre sql: {exc}", file=sys.stderr)
+        print(f"gyre sql: --store {args.store!r}: {exc}", file=sys.stderr)
         return 2
     try:
         print(format_table(query(store, args.query or VIEW_COUNTS), args.format))

@@ -44,8 +44,10 @@ def check_model_dir(path: str) -> str | None:
 
 def check_store(url: str) -> str | None:
     """Why the store cannot be written, or None (a local directory is created)."""
-    from storage.store import Store, StoreError
+    from storage.store import Store, StoreError, url_problem
 
+    if (why := url_problem(url, shared=True)) is not None:
+        return why
     try:
         store = Store(url, retry_s=PROBE_TIMEOUT_S)
         if store.protocol not in ("file", "memory"):

@@ -12,12 +12,18 @@ DuckDB's statement API and must be exactly one SELECT (``WITH``, ``FROM x``,
 runs with ``enable_external_access=false`` and the store as its only allowed
 directory, and ``lock_configuration`` refuses any attempt to change that. So
 COPY/ATTACH/INSTALL/LOAD/PRAGMA/SET, a second statement, and files outside the
-store are all refused before anything is touched.
+store are all refused before anything is touched. DuckDB resolves links before it
+checks a path, so a link in the store pointing out of it is refused too. The
+connection has no temporary directory (DuckDB's default, ``./.tmp``, would be a
+readable place outside the store), so a query larger than memory fails, never spills.
+
+A query can put any text in an error (``error('...')``), so an error's text never
+decides what is moved: see `query`.
 """
 
 from __future__ import annotations
 
-import re
+import os
 from typing import Any
 
 import duckdb
@@ -34,9 +40,11 @@ class SqlError(ValueError):
 
 
 def _allowed_roots(store: Store) -> list[str]:
-    """The store's root in the spellings DuckDB may hand to a file system."""
+    """The store's root in the spellings DuckDB may hand to a file system (DuckDB
+    resolves links before it checks a local path, so the resolved root too)."""
     if store.protocol == "file":
-        return [store.root.rstrip("/") + "/"]
+        roots = {store.root, os.path.realpath(store.root)}
+        return sorted(r.rstrip("/") + "/" for r in roots)
     root = store.root.strip("/")
     return [f"{store.protocol}://{root}/", f"{store.protocol}:///{root}/"]
 
@@ -44,7 +52,9 @@ def _allowed_roots(store: Store) -> list[str]:
 def connect(store: Store) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per dataset of the store, able to
     read files under the store's root and nothing else (see the module docstring)."""
-    con = duckdb.connect(":memory:")
+    # no temporary directory: DuckDB's default (./.tmp) would be a readable place
+    # outside the store; a query that does not fit in memory fails instead of spilling
+    con = duckdb.connect(":memory:", config={"temp_directory": ""})
     if store.protocol != "file":
         con.register_filesystem(store.fs)
     con.execute("SET allowed_directories = ?", [_allowed_roots(store)])
@@ -92,16 +102,18 @@ def check_read_only(sql: str) -> None:
         )
 
 
-_FILE_IN_ERROR = re.compile(r"'([^']+\.parquet)'")
 MAX_QUARANTINES_PER_QUERY = 64
 
 
 def query(store: Store, sql: str) -> pa.Table:
     """Run one read-only query; returns an Arrow table.
 
-    A segment DuckDB cannot decode is checked with pyarrow; if it is corrupt it is
-    quarantined (``Store.quarantine``: moved aside, logged, listed in
-    ``store.quarantined``) and the query runs again without it.
+    When DuckDB fails on a segment, the store checks that segment itself: it must be one
+    of its own (`Store.own_segment`) and fail to decode in full with pyarrow; only then
+    is it quarantined (``Store.quarantine``: moved aside, logged, listed in
+    ``store.quarantined``) and the query runs again without it. The error's text only
+    says which of the store's segments to check, since a query can write any text into
+    an error (``error('...')``).
     """
     check_read_only(sql)
     for _ in range(MAX_QUARANTINES_PER_QUERY + 1):
@@ -123,14 +135,17 @@ def query(store: Store, sql: str) -> pa.Table:
 
 
 def _quarantine_named_segment(store: Store, exc: duckdb.Error) -> bool:
-    """Quarantine the store segment a DuckDB error names, if it really is corrupt."""
-    for path in _FILE_IN_ERROR.findall(str(exc)):
-        rel = path.split("://", 1)[-1]
-        if not rel.strip("/").startswith(store.root.strip("/")) or "*" in rel:
-            continue
-        if store.read_segment(rel) is None:  # it was corrupt: now quarantined
-            return True
-    return False
+    """Quarantine the store's segments that a DuckDB error names, if the store finds
+    them corrupt; whether any was."""
+    text = str(exc)
+    if "part-" not in text:  # names no segment (a typo, a missing column...)
+        return False
+    found = False
+    for name in VIEWS:
+        for seg in store.segments(name):
+            if seg.rsplit("/", 1)[-1] in text and (own := store.own_segment(seg)) is not None:
+                found |= store.read_segment(own) is None  # None: corrupt, now quarantined
+    return found
 
 
 def format_table(table: pa.Table, fmt: str = "table", max_width: int = 60) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import random
 import time
 import uuid
@@ -41,8 +42,8 @@ from storage.schemas import SCHEMAS
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 120.0  # how long a run waits out an object-store outage
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.2, 5.0
-QUARANTINE = "_quarantine"
+RETRY_ENV = "GYRE_STORE_RETRY_S"  # sets that bound for a run and its cells (inherited)
+
 
 # errors that say "this will not get better by waiting"
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -50,7 +51,73 @@ _PERMANENT_NAMES = ("Credential", "ParamValidation", "InvalidRegion", "NoRegion"
 
 
 class StoreError(RuntimeError):
-    """A store URL cannot be used, or an object-store call kept failing."""
+    """A store URL cannot be used, or an object-store call kept failing.
+
+    ``outage``: the store at ``url`` was unreachable past the bound. Such an error
+    carries that knowledge to the process that receives it (a cell's task failing in the
+    flow's process): unpickling it records the outage there too, so that process's own
+    calls to the store fail at once instead of waiting out a second bound.
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, outage: bool = False):
+        super().__init__(message)
+        self.url, self.outage = url, outage
+
+    def __reduce__(self):
+        return (_store_error, (str(self), self.url, self.outage))
+
+
+def _store_error(message: str, url: str | None, outage: bool) -> StoreError:
+    if outage and url is not None:
+        _OUTAGES.setdefault(url, time.monotonic())
+    return StoreError(message, url=url, outage=outage)
+
+
+# store URL -> when this process learnt that it is unreachable (see with_retries)
+_OUTAGES: dict[str, float] = {}
+
+
+def default_retry_s() -> float:
+    """The outage bound: ``$GYRE_STORE_RETRY_S`` seconds, else `DEFAULT_RETRY_S`."""
+    raw = os.environ.get(RETRY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86400:
+        raise StoreError(f"{RETRY_ENV}={raw!r}: not a number of seconds in (0, 86400); unset it")
+    return value
+
+
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.2, 5.0
+QUARANTINE = "_quarantine"
+
+
+def url_problem(url: str, *, shared: bool = False) -> str | None:
+    """Why ``url`` cannot name a store, judged from the URL alone (no I/O), or None.
+
+    ``shared``: the store must be reachable from other processes (a run's cells and
+    engines), which a ``memory://`` store, living inside one process, is not.
+    """
+    if not url.strip():
+        return "empty: give a directory or s3://bucket/prefix"
+    protocol, _, rest = url.partition("://") if "://" in url else ("file", "", url)
+    if protocol in ("s3", "s3a") and not rest.strip("/"):
+        return f"{protocol}:// names no bucket: give s3://bucket or s3://bucket/prefix"
+    if protocol in ("s3", "s3a") and rest.startswith("/"):
+        return f"{protocol}:///... names no bucket (three slashes): give s3://bucket/prefix"
+    if protocol == "memory" and shared:
+        return (
+            "a memory:// store lives inside one process, and a run's cells and engines are "
+            "other processes that cannot see it: use a directory or s3://bucket/prefix"
+        )
+    return None
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -69,24 +136,48 @@ def is_transient(exc: BaseException) -> bool:
 S3_TRIES = 1  # s3fs's retry loop per call; with_retries retries on top, within retry_s
 
 
-def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwargs):
+def with_retries(
+    what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, outage_key: str | None = None, **kwargs
+):
     """Call ``fn`` at an I/O boundary, retrying transient errors with exponential backoff
-    (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds."""
+    (0.2 s doubling to 5 s, jittered) for at most ``retry_s`` seconds.
+
+    ``outage_key`` (a store's URL) bounds an outage once per process, not once per call:
+    a call that waits out the bound records the outage, and from then on, for one more
+    bound, every call to that store, those already waiting included, fails at its next
+    transient error instead of waiting again; a success clears it. So a run whose store
+    goes away ends within about one bound with one error, however many calls were made.
+    """
     deadline = time.monotonic() + retry_s
     delay, attempt = _BACKOFF_FIRST_S, 0
     while True:
         attempt += 1
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            left = deadline - now
+            down = _OUTAGES.get(outage_key) if outage_key is not None else None
+            if down is not None and now - down >= retry_s:
+                _OUTAGES.pop(outage_key, None)  # long ago: wait this one out again
+                down = None
+            if left <= 0 or down is not None:
+                if outage_key is not None:
+                    _OUTAGES.setdefault(outage_key, now)
+                waited = (
+                    f"kept failing for {retry_s:.0f}s ({attempt} attempts)"
+                    if down is None
+                    else f"failed: the store has been unreachable for {now - down:.0f}s "
+                    "(the bound was waited out once already)"
+                )
                 raise StoreError(
-                    f"store: {what} kept failing for {retry_s:.0f}s ({attempt} attempts): "
-                    f"{type(exc).__name__}: {exc}; check that the store is reachable"
-                ) from exc
+                    f"store: {what} {waited}: {type(exc).__name__}: {exc}; check that the "
+                    "store is reachable",
+                    url=outage_key,
+                    outage=True,
+                ) from None  # the message says it all: one traceback, not four
             log.warning(
                 "store: %s failed (attempt %d, retrying for %.0fs more): %s: %s",
                 what,
@@ -97,6 +188,10 @@ def with_retries(what: str, fn, *args, retry_s: float = DEFAULT_RETRY_S, **kwarg
             )
             time.sleep(min(delay * (0.5 + random.random()), left))
             delay = min(delay * 2, _BACKOFF_MAX_S)
+        else:
+            if outage_key is not None:
+                _OUTAGES.pop(outage_key, None)
+            return result
 
 
 def s3_options_from_env() -> dict[str, Any]:
@@ -122,14 +217,15 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         *,
         create: bool = True,
-        retry_s: float = DEFAULT_RETRY_S,
+        retry_s: float | None = None,
     ):
         """Open the store at ``url``. ``create=False`` refuses a store that does not exist
         (a missing directory or bucket) instead of making one: for readers such as
-        ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried.
+        ``gyre sql``. ``retry_s`` bounds how long transient object-store errors are retried
+        (`default_retry_s` when None).
         """
-        if not url:
-            raise StoreError("empty store URL; pass a directory or s3://bucket/prefix")
+        if (why := url_problem(url)) is not None:
+            raise StoreError(why)
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol == "file":
             path = url.split("://", 1)[1] if "://" in url else url
@@ -139,7 +235,7 @@ class Store:
             self.root = url.split("://", 1)[1].rstrip("/")
             self.url = f"{protocol}://{self.root}"
         self.protocol = protocol
-        self.retry_s = float(retry_s)
+        self.retry_s = float(retry_s) if retry_s is not None else default_retry_s()
         self.quarantined: list[str] = []
         opts = dict(storage_options or {})
         if protocol == "s3":
@@ -151,6 +247,11 @@ class Store:
                 self.fs.retries = S3_TRIES  # s3fs's own retry loop (a class default of 5)
         except (ImportError, ValueError) as exc:
             raise StoreError(f"cannot open store {url!r}: {exc}") from exc
+        if protocol == "file" and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StoreError(
+                f"{self.root} is a file, not a store directory; give a "
+                "directory (a run creates it) or s3://bucket/prefix"
+            )
         if not create:
             if not self.exists():
                 raise StoreError(
@@ -168,7 +269,18 @@ class Store:
         return (_reopen, (url, self.storage_options, self.retry_s))
 
     def _retry(self, what: str, fn, *args, **kwargs):
-        return with_retries(what, fn, *args, retry_s=self.retry_s, **kwargs)
+        try:
+            return with_retries(
+                what, fn, *args, retry_s=self.retry_s, outage_key=self.url, **kwargs
+            )
+        except Exception as exc:
+            if _no_credentials(exc):
+                raise StoreError(
+                    f"no AWS credentials found for {self.url} ({what}: {exc}); set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or "
+                    "~/.aws/credentials) for the bucket, or use a local directory as --store"
+                ) from exc
+            raise
 
     # -- paths -------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -242,8 +354,45 @@ class Store:
         table = pa.concat_tables(tables, promote_options="default")
         return table if schema is None else table.select(schema.names).cast(schema)
 
+    def own_segment(self, path: str) -> str | None:
+        """``path`` as one of this store's own segments, or None.
+
+        A segment is a ``part-*.parquet`` file directly under one of the store's dataset
+        directories (``{root}/{dataset}/``). The path is normalised (``..``) and, on a
+        local file system, its links are resolved, so a path that only *spells* a place
+        in the store (``{root}/../x``, a link in a dataset directory pointing elsewhere)
+        is not one. Returns the segment's path in the store's own form.
+        """
+        p = path.split("://", 1)[1] if "://" in path else path
+        if self.protocol == "file":
+            rel = os.path.relpath(os.path.realpath(p), os.path.realpath(self.root))
+            parts = rel.split(os.sep)
+        else:
+            norm = posixpath.normpath("/" + p).strip("/")
+            root = self.root.strip("/")
+            if not norm.startswith(root + "/"):
+                return None
+            parts = norm[len(root) + 1 :].split("/")
+        if len(parts) != 2:
+            return None
+        dataset, name = parts
+        if dataset in ("", ".", "..", "checkpoints") or dataset[0] in "_.":
+            return None
+        if not (name.startswith("part-") and name.endswith(".parquet")):
+            return None
+        return self.path(dataset, name)
+
     def read_segment(self, path: str) -> pa.Table | None:
-        """One segment; a segment that cannot be decoded is quarantined (None)."""
+        """One of the store's own segments, decoded in full; a segment that cannot be
+        decoded is quarantined (None). Anything but an own segment (`own_segment`) is
+        refused with a `StoreError` before it is read."""
+        seg = self.own_segment(path)
+        if seg is None:
+            raise StoreError(
+                f"store: {path} is not a segment of {self.url} (a link or a path leading "
+                "out of the store?); it is not read"
+            )
+        path = seg
         data = self._retry(f"get {path}", self.fs.cat_file, path)
         try:
             return pq.read_table(pa.BufferReader(data))
@@ -252,8 +401,19 @@ class Store:
             return None
 
     def quarantine(self, path: str, why: str) -> str:
-        """Move a bad segment out of its dataset into ``_quarantine/`` with a note."""
-        rel = path[len(self.root) :].strip("/") if path.startswith(self.root) else path
+        """Move a bad segment out of its dataset into ``_quarantine/`` with a note.
+
+        Only the store's own segments (`own_segment`) are ever moved: anything else,
+        such as a path outside the store, is refused with a `StoreError`.
+        """
+        seg = self.own_segment(path)
+        if seg is None:
+            raise StoreError(
+                f"store: {path} cannot be read ({why}) and is not a segment of {self.url}, "
+                "so it is not quarantined; remove it from the store by hand"
+            )
+        path = seg
+        rel = path[len(self.root) :].strip("/")
         dest = self.path(QUARANTINE, rel)
         note = json.dumps({"segment": path, "why": why, "t": time.time()})
         if self.protocol == "file":
@@ -312,7 +472,7 @@ class Store:
     def get_dir(self, relpath: str, local_dir: str) -> str:
         """Copy a store directory's files (flat) to a local directory."""
         os.makedirs(local_dir, exist_ok=True)
-        for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False):
+        for p in self._retry(f"list {relpath}", self.fs.ls, self.path(relpath), detail=False):
             name = p.rstrip("/").rsplit("/", 1)[-1]
             data = self._retry(f"get {p}", self.fs.cat_file, p)
             with open(os.path.join(local_dir, name), "wb") as fh:
@@ -323,7 +483,9 @@ class Store:
         try:
             return sorted(
                 p.rstrip("/").rsplit("/", 1)[-1]
-                for p in self._retry("list", self.fs.ls, self.path(relpath), detail=False)
+                for p in self._retry(
+                    f"list {relpath}", self.fs.ls, self.path(relpath), detail=False
+                )
             )
         except FileNotFoundError:
             return []

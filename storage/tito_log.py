@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.schemas import TITO_SCHEMA
-from storage.store import Store
+from storage.store import Store, StoreError
 from storage.tito import TitoRecord
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,8 @@ class TitoLog:
             if due:
                 try:
                     self._flush_once()
+                except StoreError as exc:  # an outage: its message says it all
+                    log.error("tito: flush failed; records stay in the WAL: %s", exc)
                 except Exception:  # the WAL still holds the records; retried next round
                     log.exception("tito: flush to %s failed; records stay in the WAL", self.store)
             if closed:

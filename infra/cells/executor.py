@@ -56,7 +56,7 @@ from infra.cells.engines import engine_stats, load_weights, park_engine, start_e
 from infra.cells.membership import Membership
 from storage.checkpoints import read_commit
 from storage.commits import roll_forward
-from storage.store import Store
+from storage.store import Store, StoreError
 from tasks.sched.coordinator import (
     Decision,
     Event,
@@ -293,7 +293,11 @@ class Executor:
         """Record every cell leaving; the pool stops (pending actions are bounded waits)."""
         self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
-            self.record(i, "leave", role, "run ended")
+            try:
+                self.record(i, "leave", role, "run ended")
+            except StoreError as exc:  # the store is gone: the run's own error says so
+                log.warning("cell %d's leave is not recorded: %s", i, exc)
+                break
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._dp_store = None
 

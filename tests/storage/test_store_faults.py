@@ -125,3 +125,73 @@ def test_s3_outage_is_waited_out_or_reported(free_port):
         assert time.monotonic() - t0 < 20
         server.start()
         assert Store("s3://bkt/run").read("cells").num_rows == 3
+
+
+@pytest.mark.fault
+@pytest.mark.integration
+def test_an_outage_is_waited_out_once_per_process_with_one_clear_error(free_port, tmp_path):
+    """A run whose S3 store went away took two bounds and 33 tracebacks to end: every call
+    after the first waited out the bound again, each error chained four tracebacks, and
+    the flow's process waited again after its cells had. Now one bound, one error."""
+    import pickle
+    import subprocess
+    import sys
+    import traceback
+
+    bound = 4.0
+    with moto_s3(free_port(), buckets=("bkt",)) as server:
+        st = Store("s3://bkt/out", retry_s=bound)
+        st.append("cells", _rows(1))
+        patient = Store("s3://bkt/out", retry_s=60)  # another call to it, with a long bound
+        server.stop()
+
+        t0 = time.monotonic()
+        ended: dict[str, float] = {}
+
+        def waiting() -> None:
+            with pytest.raises(StoreError, match="unreachable"):
+                patient.exists()
+            ended["patient"] = time.monotonic() - t0
+
+        th = threading.Thread(target=waiting)
+        th.start()
+        with pytest.raises(StoreError, match=r"kept failing for 4s") as first:
+            st.append("cells", _rows(2, "d"))
+        assert bound - 0.5 <= time.monotonic() - t0 < bound + 3
+        th.join(timeout=30)
+        # the call already waiting gave up once the bound was waited out, not after its own
+        assert ended["patient"] < bound + 8
+
+        # every later call fails at once, saying why, instead of waiting out a second bound
+        for call in (lambda: st.read("cells"), lambda: Store("s3://bkt/out").exists()):
+            t1 = time.monotonic()
+            with pytest.raises(StoreError, match=r"unreachable for .*check that the store"):
+                call()
+            assert time.monotonic() - t1 < 2.0
+
+        # one traceback per error: the message carries the cause
+        assert "".join(traceback.format_exception(first.value)).count("Traceback") == 1
+
+        # another process (a cell) that waited out the bound tells this one with its error
+        child = (
+            "import pickle, sys\n"
+            "from storage.store import Store, StoreError\n"
+            "try:\n"
+            "    Store('s3://bkt/other', retry_s=2).exists()\n"
+            "except StoreError as exc:\n"
+            "    sys.stdout.buffer.write(pickle.dumps(exc))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, timeout=60, check=True
+        ).stdout
+        err = pickle.loads(out)
+        assert isinstance(err, StoreError) and err.outage
+        t1 = time.monotonic()
+        with pytest.raises(StoreError, match="unreachable"):
+            Store("s3://bkt/other", retry_s=60).exists()
+        assert time.monotonic() - t1 < 2.0
+
+        # back: the first call that works clears it
+        server.start()
+        assert st.read("cells").num_rows == 1
+        assert Store("s3://bkt/other", retry_s=60).exists() is False

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from flows.config import ConfigError, RunConfig, load_config
 from storage.checkpoints import latest_version
 from storage.commits import last_committed, roll_forward
-from storage.store import Store
+from storage.store import Store, StoreError
 
 _GROUP = re.compile(r"^g(\d+)$")
 
@@ -62,7 +62,12 @@ def resume_config(
 ) -> RunConfig:
     """The settings a resumed run continues with: its stored ones, then ``overrides``.
     Raises `ConfigError` (naming the fix) when the store holds no such run."""
-    st = Store(store, create=False)
+    try:
+        st = Store(store, create=False)
+    except StoreError as exc:  # a resumed run continues one already in the store
+        raise ConfigError(
+            [f"--resume {run_id}: {exc}; a resumed run continues in the store it started on"]
+        ) from None
     base = stored_config(st, run_id)
     if base is None:
         known = sorted(p for p in st.listdir("runs"))

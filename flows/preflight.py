@@ -2,9 +2,10 @@
 
 ``load_config`` checks a run config on its own (types, ranges, names); this checks
 it against the machine and the network: the store is reachable and writable (its
-bucket exists), the gateway's port is free, an external Dask scheduler answers, and
-``model.path`` is a checkpoint. Every problem is reported at once, as a
-`flows.config.ConfigError`, each naming the setting, the value, and the fix.
+bucket exists), the gateway's port is free, an external Dask scheduler answers with a
+worker per cell, and ``model.path`` is a checkpoint. Every problem is reported at once,
+as a `flows.config.ConfigError`, each naming the setting, the value, and the fix;
+`checked` adds them to the errors of a config that has some.
 """
 
 from __future__ import annotations

@@ -34,24 +34,27 @@ _ENV_DEFAULTS = {
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
-    from flows.preflight import preflight
+    from flows.preflight import checked
     from flows.procs import bounded_stop, forget, prefect_api, reap_orphans
     from flows.resume import new_run_id, resume_config
     from storage.lease import LeaseHeld, check_free
     from storage.store import Store
 
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
-    try:  # fail before anything starts
+    try:  # fail before anything starts, every problem at once
         if args.resume:
-            cfg = resume_config(args.resume, args.store or DEFAULT_STORE, args.overrides)
-        else:
-            cfg = load_config(
-                config_file=args.config,
-                preset=args.preset,
-                overrides=args.overrides,
-                store=args.store,
+            cfg = checked(
+                lambda: resume_config(args.resume, args.store or DEFAULT_STORE, args.overrides)
             )
-        preflight(cfg)
+        else:
+            cfg = checked(
+                lambda: load_config(
+                    config_file=args.config,
+                    preset=args.preset,
+                    overrides=args.overrides,
+                    store=args.store,
+                )
+            )
     except ConfigError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
@@ -67,6 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"(starting Prefect, cells, engine, gateway...)",
         file=sys.stderr,
     )
+    from infra.cells.cluster import SchedulerLost
+
     try:
         with bounded_stop(), prefect_api():
             from flows.rl_run import rl_run
@@ -95,6 +100,11 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip
         forget()
         return 130
+    except SchedulerLost as exc:
+        print(f"gyre run: {exc}; then continue the run with `gyre run --resume {run_id} "
+              f"--store {cfg.store}`", file=sys.stderr)  # fmt: skip
+        forget()
+        return 1
     forget()
     width = max(len(k) for k in summary)
     print("\nrun summary")

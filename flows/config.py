@@ -207,11 +207,33 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class ConfigError(ValueError):
-    """All problems of a run config, each with the setting, the value, and the fix."""
+# the settings flows/preflight.py checks against the world (and what it needs for that)
+WORLD_KEYS = (
+    "store",
+    "gateway.port",
+    "cluster.scheduler_address",
+    "cluster.rollout_cells",
+    "cluster.train_cells",
+    "model.path",
+)
 
-    def __init__(self, problems: list[str]):
+
+class ConfigError(ValueError):
+    """All problems of a run config, each with the setting, the value, and the fix.
+
+    ``partial``: the config's valid world settings (`WORLD_KEYS`, the others at their
+    defaults), so that the checks against the world still run and are reported with these;
+    ``unchecked``: the world settings that are invalid (their checks cannot run)."""
+
+    def __init__(
+        self,
+        problems: list[str],
+        partial: RunConfig | None = None,
+        unchecked: frozenset[str] = frozenset(),
+    ):
         self.problems = problems
+        self.partial = partial
+        self.unchecked = unchecked
         super().__init__("invalid run config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
@@ -244,6 +266,40 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise TypeError(key)
     node[parts[-1]] = value
+
+
+def _drop_dotted(tree: dict[str, Any], key: str) -> None:
+    """Remove ``key`` and the sections it leaves empty."""
+    head, _, rest = key.partition(".")
+    if rest and isinstance(tree.get(head), dict):
+        _drop_dotted(tree[head], rest)
+        if not tree[head]:
+            del tree[head]
+    elif not rest:
+        tree.pop(head, None)
+
+
+def _world_part(tree: dict[str, Any]) -> tuple[RunConfig | None, frozenset[str]]:
+    """The valid world settings of ``tree`` as a config (the rest at defaults), and the
+    world settings given with an invalid value."""
+    flat = _flatten(tree)
+    part: dict[str, Any] = {}
+    bad = set()
+    for key in WORLD_KEYS:
+        if key not in flat:
+            continue
+        one: dict[str, Any] = {}
+        _set_dotted(one, key, flat[key])
+        try:
+            RunConfig.model_validate(one)
+        except ValidationError:
+            bad.add(key)
+            continue
+        _set_dotted(part, key, flat[key])
+    try:
+        return RunConfig.model_validate(part), frozenset(bad)
+    except ValidationError:  # valid one by one, not together: no world checks
+        return None, frozenset(bad)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -319,17 +375,20 @@ def load_config(
             hint = difflib.get_close_matches(key, known, n=1)
             fix = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(known)}"
             problems.append(f"{key}={value!r}: unknown setting; {fix}")
-    if not problems:
-        try:
-            return RunConfig.model_validate(tree)
-        except ValidationError as exc:
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "config"
-                given = err.get("input")
-                msg = err["msg"]
-                if msg.startswith("Value error, "):  # ours: it already says what to do
-                    msg = msg.removeprefix("Value error, ")
-                else:
-                    msg += f"; fix: set {loc} to a valid value"
-                problems.append(f"{loc}={given!r}: {msg}" if loc != "config" else msg)
-    raise ConfigError(problems)
+            _drop_dotted(tree, key)  # the known ones are still checked, all reported at once
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "config"
+            given = err.get("input")
+            msg = err["msg"]
+            if msg.startswith("Value error, "):  # ours: it already says what to do
+                msg = msg.removeprefix("Value error, ")
+            else:
+                msg += f"; fix: set {loc} to a valid value"
+            problems.append(f"{loc}={given!r}: {msg}" if loc != "config" else msg)
+    else:
+        if not problems:
+            return cfg
+    raise ConfigError(problems, *_world_part(tree))

@@ -2,21 +2,25 @@
 
 ``load_config`` checks a run config on its own (types, ranges, names); this checks
 it against the machine and the network: the store is reachable and writable (its
-bucket exists), the gateway's port is free, an external Dask scheduler answers, and
-``model.path`` is a checkpoint. Every problem is reported at once, as a
-`flows.config.ConfigError`, each naming the setting, the value, and the fix.
+bucket exists), the gateway's port is free, an external Dask scheduler answers with a
+worker per cell, and ``model.path`` is a checkpoint. Every problem is reported at once,
+as a `flows.config.ConfigError`, each naming the setting, the value, and the fix;
+`checked` adds them to the errors of a config that has some.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from flows.config import ConfigError, RunConfig
+from flows.config import WORLD_KEYS, ConfigError, RunConfig
 
 PROBE_TIMEOUT_S = 10.0
+WORKERS_WAIT_S = 15.0  # an external scheduler's workers may still be joining
 
 # what a Hugging Face checkpoint directory must hold for the engine and the trainer
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -78,32 +82,96 @@ def check_port(port: int, host: str = "127.0.0.1") -> str | None:
     return None
 
 
-def check_scheduler(address: str) -> str | None:
-    hostport = address.split("://", 1)[1]
-    host, _, port = hostport.rpartition(":")
+def check_new_local_store(url: str) -> str | None:
+    """Why a local store directory that does not exist yet could not be created, or None
+    (nothing is created: the check of a config that has errors leaves no trace)."""
+    path = Path(url.removeprefix("file://")).expanduser().absolute()
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create it: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create it: {parent} is not writable"
+    return None
+
+
+def check_scheduler(address: str, cells: int | None = None) -> str | None:
+    """Why no Dask scheduler at ``address`` can hold ``cells`` cells, or None: it must
+    answer and, within `WORKERS_WAIT_S`, have a worker per cell."""
+    from infra.cells.cluster import TooFewWorkers, reach_scheduler, wait_for_cells
+
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S):
-            return None
+        reach_scheduler(address, timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         return f"no Dask scheduler answers there ({exc.strerror or exc}); start `dask scheduler`"
+    if cells is None:
+        return None
+    from distributed import Client
+
+    try:
+        with Client(address, timeout=f"{PROBE_TIMEOUT_S}s", set_as_default=False) as client:
+            wait_for_cells(client, cells, timeout=WORKERS_WAIT_S)
+    except TooFewWorkers as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"it does not answer as a Dask scheduler ({exc}); start `dask scheduler`"
+    return None
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Raise `ConfigError` listing every problem of ``cfg`` against the world."""
+def preflight(cfg: RunConfig, *, only: frozenset[str] | None = None, create: bool = True) -> None:
+    """Raise `ConfigError` listing every problem of ``cfg`` against the world.
+
+    ``only``: check just these settings (`flows.config.WORLD_KEYS`); ``create=False``: make
+    no store directory (the checks of a config that has errors, `checked`)."""
+
+    def wanted(key: str) -> bool:
+        return only is None or key in only
+
     problems = []
-    if (why := check_store(cfg.store)) is not None:
-        problems.append(f"store={cfg.store!r}: {why}")
-    if (why := check_port(cfg.gateway.port)) is not None:
+    if wanted("store"):
+        is_local = "://" not in cfg.store or cfg.store.startswith("file://")
+        if not create and is_local and not Path(cfg.store.removeprefix("file://")).exists():
+            why = check_new_local_store(cfg.store)
+        else:
+            why = check_store(cfg.store)
+        if why is not None:
+            problems.append(f"store={cfg.store!r}: {why}")
+    if wanted("gateway.port") and (why := check_port(cfg.gateway.port)) is not None:
         problems.append(f"gateway.port={cfg.gateway.port}: {why}; pick another or 0 (any)")
+    c = cfg.cluster
+    if wanted("cluster.scheduler_address") and c.scheduler_address:
+        n = c.rollout_cells + c.train_cells
+        cells = n if wanted("cluster.rollout_cells") and wanted("cluster.train_cells") else None
+        if (why := check_scheduler(c.scheduler_address, cells)) is not None:
+            problems.append(f"cluster.scheduler_address={c.scheduler_address!r}: {why}")
     if (
-        cfg.cluster.scheduler_address
-        and (why := check_scheduler(cfg.cluster.scheduler_address)) is not None
+        wanted("model.path")
+        and cfg.model.path is not None
+        and (why := check_model_dir(cfg.model.path)) is not None
     ):
-        problems.append(f"cluster.scheduler_address={cfg.cluster.scheduler_address!r}: {why}")
-    if cfg.model.path is not None and (why := check_model_dir(cfg.model.path)) is not None:
         problems.append(
             f"model.path={cfg.model.path!r}: {why}; give a Hugging Face checkpoint directory "
             "or leave it unset for the tiny model"
         )
     if problems:
         raise ConfigError(problems)
+
+
+def checked(load: Callable[[], RunConfig]) -> RunConfig:
+    """``load()`` (a `flows.config.load_config`) then `preflight`, every problem at once: a
+    config with errors still has its valid world settings checked, and both are reported
+    together in one `ConfigError`."""
+    try:
+        cfg = load()
+    except ConfigError as exc:
+        if exc.partial is None:
+            raise
+        only = frozenset(WORLD_KEYS) - exc.unchecked
+        try:
+            preflight(exc.partial, only=only, create=False)
+        except ConfigError as world:
+            raise ConfigError(exc.problems + world.problems) from None
+        raise
+    preflight(cfg)
+    return cfg

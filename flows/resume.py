@@ -33,7 +33,7 @@ from flows.config import ConfigError, RunConfig, load_config
 from storage.checkpoints import latest_version
 from storage.commits import last_committed, roll_forward
 from storage.paths import RunIdError, check_run_id
-from storage.store import Store
+from storage.store import Store, StoreError
 
 _GROUP = re.compile(r"^g(\d+)$")
 
@@ -67,7 +67,12 @@ def resume_config(
         check_run_id(run_id)  # before it names any path
     except RunIdError as exc:
         raise ConfigError([f"--resume: {exc}"]) from None
-    st = Store(store, create=False)
+    try:
+        st = Store(store, create=False)
+    except StoreError as exc:  # a resumed run continues one already in the store
+        raise ConfigError(
+            [f"--resume {run_id}: {exc}; a resumed run continues in the store it started on"]
+        ) from None
     base = stored_config(st, run_id)
     if base is None:
         known = sorted(p for p in st.listdir("runs"))

@@ -27,7 +27,7 @@ from prefect_dask import DaskTaskRunner
 from flows import live
 from flows.config import PRESETS, RunConfig, load_config
 from flows.evaluation import write_learning
-from flows.preflight import preflight
+from flows.preflight import checked
 from flows.procs import forget, record_children
 from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
@@ -133,8 +133,8 @@ def rl_run(
             deployment continues one run by a few steps each night); empty trains up to
             `train.steps` in total.
     """
-    cfg = resolve(preset, overrides or [], store, config_file, run_id, resume)
-    preflight(cfg)  # a deployment run checks the world too, before anything starts
+    # a deployment run checks the world too, before anything starts, every problem at once
+    cfg = checked(lambda: resolve(preset, overrides or [], store, config_file, run_id, resume))
     run_id = cfg.run_id or new_run_id()
     st = Store(cfg.store)
     # one writer per run: a second run (or `gyre serve`) of this run id is refused

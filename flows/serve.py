@@ -94,20 +94,31 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _check_port_free(port: int) -> None:
-    import socket
+def _preflight(model: str | None, port: int) -> None:
+    """Refuse a busy port or a model that is not a checkpoint at once, both together,
+    before torch and the engine are imported (which took up to a minute under load)."""
+    from flows.preflight import check_model_dir, check_port
 
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as exc:
+    for rec in live_records():
+        if rec.port == port:
             raise ServeError(
-                f"port {port} is in use ({exc.strerror}); pick another --port"
-            ) from exc
+                f"a gyre serve already answers at {rec.url} (pid {rec.pid}, store {rec.store}); "
+                "stop it or pick another --port"
+            )
+    problems = []
+    if model is not None and (why := check_model_dir(model)) is not None:
+        problems.append(
+            f"--model {model}: {why}; give a Hugging Face checkpoint directory, or leave "
+            "--model out to serve the tiny model"
+        )
+    if (why := check_port(port)) is not None:
+        problems.append(f"--port {port}: {why}; pick another --port")
+    if problems:
+        raise ServeError("; ".join(problems))
 
 
 def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> int:
+    _preflight(model, port)
     from storage.lease import Lease
     from storage.store import Store
 
@@ -118,13 +129,6 @@ def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> i
     except RunIdError as exc:
         raise ServeError(f"--run-id: {exc}") from None
     store = Store(store_url)
-    for rec in live_records():
-        if rec.port == port:
-            raise ServeError(
-                f"a gyre serve already answers at {rec.url} (pid {rec.pid}, store {rec.store}); "
-                "stop it or pick another --port"
-            )
-    _check_port_free(port)
     # one writer per run: a second `gyre serve` (or a `gyre run`) of this run id is refused
     with Lease(store, run_id, f"gyre serve (port {port})", on_lost=stop.set):
         return _serve(model, store, port, run_id, stop)

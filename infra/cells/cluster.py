@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -35,10 +36,55 @@ log = logging.getLogger(__name__)
 PLUGIN_NAME = "gyre-cell"
 ROLES = ("rollout", "train", "draining", "loading", "idle")
 CLOSE_TIMEOUT_S = 60.0  # how long cells get to stop their engines and leave
+LOST_CLOSE_TIMEOUT_S = 5.0  # a client whose scheduler is gone has nothing to wait for
+WORKERS_WAIT_S = 60.0  # how long a run waits for an external scheduler's workers to join
 
 
 class CellLost(RuntimeError):
     """The worker process of a cell is gone (killed, crashed, its node lost)."""
+
+
+class SchedulerLost(RuntimeError):
+    """The run's Dask scheduler is gone (killed, crashed, its host lost): its cells and
+    their work went with it."""
+
+
+def reach_scheduler(address: str, timeout: float) -> None:
+    """Open and close a TCP connection to a scheduler's address; raises OSError if none
+    answers (a refused or timed-out connection)."""
+    hostport = address.split("://", 1)[1]
+    host, _, port = hostport.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        pass
+
+
+def _scheduler_gone(address: str) -> bool:
+    try:
+        reach_scheduler(address, timeout=5.0)
+    except OSError:
+        return True
+    return False
+
+
+class TooFewWorkers(RuntimeError):
+    """An external Dask scheduler has fewer workers than the run has cells."""
+
+
+def wait_for_cells(client: Client, n_cells: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``n_cells`` workers (one per cell) on the
+    scheduler; raise `TooFewWorkers` naming how many there are, how many are needed and
+    the fix (Dask's own ``wait_for_workers`` ends in a bare TimeoutError)."""
+    deadline = time.monotonic() + timeout
+    while (have := len(worker_addrs(client))) < n_cells:
+        if time.monotonic() >= deadline:
+            address = client.scheduler.address
+            raise TooFewWorkers(
+                f"the Dask scheduler at {address} has {have} worker(s) after {timeout:.0f} s; "
+                f"this run needs {n_cells}, one per cell (cluster.rollout_cells + "
+                f"cluster.train_cells): start {n_cells - have} more (`dask worker {address}`) "
+                "or lower cluster.rollout_cells / cluster.train_cells"
+            )
+        time.sleep(0.25)
 
 
 def worker_addrs(client: Client) -> set[str]:
@@ -290,20 +336,21 @@ def start_cells(
     ``threads_per_cell`` threads for work plus one per harness slot (harnesses mostly wait
     on HTTP and their environment).
     """
-    cluster = None
-    if scheduler_address:
-        client = Client(scheduler_address, timeout="60s")
-        client.wait_for_workers(n_cells, timeout=300)
-    else:
-        worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        # no statistical profiler in the cells (see stop_thread_profiler); the plugin also
-        # stops it on workers of an external cluster and on restarted ones
-        with dask.config.set({"distributed.worker.profile.enabled": False}):
-            cluster = _local_cluster(
-                n_cells, threads_per_cell + harness_slots, memory_limit, worker_env
-            )
-        client = Client(cluster)
+    cluster = client = None
+    lost = False  # the scheduler is gone: nothing to stop through it
     try:
+        if scheduler_address:
+            client = Client(scheduler_address, timeout="60s")
+            wait_for_cells(client, n_cells, timeout=WORKERS_WAIT_S)
+        else:
+            worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+            # no statistical profiler in the cells (see stop_thread_profiler); the plugin
+            # also stops it on workers of an external cluster and on restarted ones
+            with dask.config.set({"distributed.worker.profile.enabled": False}):
+                cluster = _local_cluster(
+                    n_cells, threads_per_cell + harness_slots, memory_limit, worker_env
+                )
+            client = Client(cluster)
         client.register_plugin(CellPlugin(), name=PLUGIN_NAME)
         addrs = sorted(worker_addrs(client))[:n_cells]
         cells = Cells(
@@ -316,8 +363,26 @@ def start_cells(
         for a in addrs:
             cells.set_role(a, "idle")
         yield cells
+    except Exception as exc:
+        # whatever the call that noticed it raised (CommClosedError, OSError), say what it is
+        if scheduler_address and _scheduler_gone(scheduler_address):
+            lost = True
+            raise SchedulerLost(
+                f"the Dask scheduler at {scheduler_address} is gone (the run saw "
+                f"{type(exc).__name__}: {exc}); start `dask scheduler` there again, "
+                "with its workers"
+            ) from exc
+        raise
     finally:
-        stop_cells(client, cluster)
+        if client is None:
+            pass
+        elif lost:
+            try:
+                client.close(timeout=LOST_CLOSE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("closing the Dask client: %s: %s", type(exc).__name__, exc)
+        elif client is not None:
+            stop_cells(client, cluster)
 
 
 def stop_cells(client: Client, cluster: LocalCluster | None, timeout: float = CLOSE_TIMEOUT_S):

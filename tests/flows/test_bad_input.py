@@ -121,3 +121,61 @@ def test_gyre_sql_refuses_writes(tmp_path):
         "sql", "--store", str(tmp_path / "s"), "--format", "json", "SELECT count(*) AS n FROM cells"
     )
     assert json.loads(ok.stdout) == {"n": 1}
+
+
+def test_resume_from_a_missing_store_is_refused_at_once(tmp_path):
+    t0 = time.monotonic()
+    res = _gyre("run", "--resume", "lagtest", "--store", str(tmp_path / "nowhere"))
+    _refused(res, "--resume lagtest", f"no store at {tmp_path / 'nowhere'}", "started on")
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_unknown_keys_and_bad_values_are_reported_together(tmp_path):
+    res = _gyre(
+        "run", "--store", str(tmp_path / "store"), "train.stepz=3", "rollout.group_size=0",
+        "train.loss=sgd", "nosuch.section=1",
+    )  # fmt: skip
+    _refused(
+        res,
+        "train.stepz=3: unknown setting; did you mean 'train.steps'",
+        "nosuch.section=1: unknown setting",
+        "rollout.group_size=0",
+        "train.loss='sgd'",
+    )
+    assert not (tmp_path / "store").exists()
+
+
+def test_config_and_world_errors_are_reported_together(tmp_path, free_port, not_a_checkpoint):
+    """A config with errors still has its valid world settings checked (nothing created)."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    common = [
+        "train.stepz=3",  # unknown
+        "rollout.group_size=0",  # a bad value
+        f"gateway.port={busy.getsockname()[1]}",
+        f"cluster.scheduler_address=tcp://127.0.0.1:{free_port()}",
+        f"model.path={not_a_checkpoint}",
+    ]
+    try:
+        res = _gyre("run", "--store", str(blocker / "store"), *common)
+        fresh = _gyre("run", "--store", str(tmp_path / "fresh"), *common, "store=ftp://x/y")
+    finally:
+        busy.close()
+    _refused(
+        res,
+        "did you mean 'train.steps'",
+        "rollout.group_size=0",
+        f"store='{blocker / 'store'}': cannot create it: {blocker} is not a directory",
+        "is in use",
+        "no Dask scheduler answers",
+        "not a checkpoint",
+    )
+    # a world setting with a bad value is reported once, never checked at its default
+    _refused(fresh, "store='ftp://x/y': unknown protocol", "is in use", "not a checkpoint")
+    assert "gyre-data" not in fresh.stderr
+    assert not (tmp_path / "fresh").exists()
+    assert not list(tmp_path.glob("**/_preflight"))

@@ -33,9 +33,10 @@ def test_every_error_reported_at_once_with_key_value_and_fix():
     with pytest.raises(ConfigError) as ei:
         load_config(overrides=["train.stepz=3", "rollout.group_size=0", "train.loss=sgd", "oops"])
     msg = str(ei.value)
-    assert len(ei.value.problems) == 2  # unknown keys are reported before value checks
+    assert len(ei.value.problems) == 4  # unknown keys and bad values, together
     assert "train.stepz=3" in msg and "did you mean 'train.steps'" in msg
     assert "'oops'" in msg and "key=value" in msg
+    assert "rollout.group_size=0" in msg and "train.loss='sgd'" in msg
     with pytest.raises(ConfigError) as ei:
         load_config(overrides=["rollout.group_size=0", "train.loss=sgd"])
     msg = str(ei.value)

@@ -142,3 +142,33 @@ def test_sigterm_and_sigkill_lose_no_answered_call(tmp_path, free_port, env):
     proc.communicate(timeout=60)
     rows = _tito_rows(store)
     assert sorted(r["request_id"] for r in rows) == sorted(ids + more + last)
+
+
+def test_bad_model_and_busy_port_are_refused_before_the_engine(tmp_path, env):
+    """Both problems named at once, before torch is imported (that import took up to a
+    minute under load before the port was even looked at); nothing created."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    store = tmp_path / "store"
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "flows.cli", "serve", "--model", "/nope",
+             "--port", str(port), "--store", str(store)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        busy.close()
+    assert time.monotonic() - t0 < 30
+    assert res.returncode == 2, res.stderr[-3000:]
+    err = res.stderr
+    assert "Traceback" not in err
+    assert "--model /nope: no such directory" in err and "leave --model out" in err
+    assert f"--port {port}: port {port} is in use" in err and "pick another --port" in err
+    imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if "|" in line}
+    assert not imported & {"torch", "transformers", "infra.engine.engine"}
+    assert not store.exists()

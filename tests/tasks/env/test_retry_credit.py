@@ -86,6 +86,8 @@ def test_retried_subtask_credit_by_hand(tmp_path):
     assert (scores[sb, "s1"]["score"], scores[sb, "s1"]["at_request_id"]) == (1.0, rb[2])
     # the retries are branches: A2 and B2 start from their first attempt's input
     assert calls["A"][1].parent_request_id == ra[0] and calls["B"][1].parent_request_id == rb[0]
+    # the attempt a turn ends with is the history the next turn extends
+    assert calls["A"][2].parent_request_id == ra[1] and calls["B"][2].parent_request_id == rb[1]
 
     out = process_sessions(
         store, RUN, 0, handles, current_version=0, advantage="per_subtask", normalize_std=False

@@ -71,4 +71,7 @@ def test_evaluation_tokens_are_the_greedy_argmax(tmp_path):
     rows = [x for x in store.read("evals").to_pylist() if x["run_id"] == RUN]
     assert sorted(x["seed"] for x in rows) == [0, 1]
     assert all(x["version"] == 3 and x["step"] == 2 for x in rows)
+    # one attempt per turn (eval.max_attempts=1; a greedy retry would only repeat itself)
+    assert all(x["n_calls"] == 2 for x in rows), [x["n_calls"] for x in rows]
+    assert len(records) == 4
     assert not [x for x in store.read("scores").to_pylist() if x["session_id"] in sids]

@@ -27,6 +27,7 @@ from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.store import Store
+from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
 from tasks.env.arith import make_task
 from tasks.env.config import RolloutConfig
@@ -86,8 +87,13 @@ def test_retried_subtask_credit_by_hand(tmp_path):
     assert (scores[sb, "s1"]["score"], scores[sb, "s1"]["at_request_id"]) == (1.0, rb[2])
     # the retries are branches: A2 and B2 start from their first attempt's input
     assert calls["A"][1].parent_request_id == ra[0] and calls["B"][1].parent_request_id == rb[0]
-    # the attempt a turn ends with is the history the next turn extends
-    assert calls["A"][2].parent_request_id == ra[1] and calls["B"][2].parent_request_id == rb[1]
+    # the attempt a turn ends with (the last, or the first good one) is the history the next
+    # turn extends: its whole input and output are the next call's prefix
+    inputs = reconstruct_inputs(calls["A"] + calls["B"])
+    for name, rids in (("A", ra), ("B", rb)):
+        kept, nxt = calls[name][1], calls[name][2]
+        assert nxt.parent_request_id == rids[1]
+        assert nxt.prefix_len == len(inputs[rids[1]]) + len(kept.output_ids), name
 
     out = process_sessions(
         store, RUN, 0, handles, current_version=0, advantage="per_subtask", normalize_std=False

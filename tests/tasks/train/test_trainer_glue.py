@@ -181,3 +181,15 @@ def test_trainer_scores_under_the_rollout_distribution(tmp_path, rollout):
     n = sum(s.n_flat_trainable for s in samples)
     assert m["clip_fraction"] == 0.0
     assert m["pg_loss"] == pytest.approx(-float(packed.weight_pos[sel].sum()) / n, rel=1e-4)
+
+
+def test_a_saved_and_loaded_trainer_continues_like_the_uninterrupted_one(micro_dir, tmp_path):
+    """Resume: weights, AdamW moments and counters come back, so the next step is the same."""
+    a = Trainer(micro_dir, lr=1e-3, max_tokens_per_micro=64)
+    a.step(_batch(2))
+    b = Trainer.load(a.save(str(tmp_path / "ck")), lr=1e-3, max_tokens_per_micro=64)
+    assert (b.version, b.n_steps) == (a.version, a.n_steps) == (1, 1)
+    ma, mb = a.step(_batch(3)), b.step(_batch(3))
+    assert mb["train/loss"] == pytest.approx(ma["train/loss"], rel=1e-6)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert float((p - q).detach().abs().max()) <= 1e-7, n

@@ -37,6 +37,7 @@ G_DP = ("tests/tasks/test_dp_step.py",)
 G_SYNC = ("tests/infra/cells/test_weight_sync.py",)
 G_EVAL = ("tests/tasks/test_evaluate.py",)
 G_RETRY = ("tests/tasks/env/test_retry_credit.py",)
+G_ROLL = ("tests/tasks/test_rollout_sampling.py",)
 G_COMMIT = ("tests/storage/test_commits.py", "tests/storage/test_store.py")
 
 S = "tasks/trajectory/sampler.py"
@@ -635,5 +636,19 @@ MUTANTS: list[Mutant] = [
         '"reward_after": curve[-1]["reward"],',
         '"reward_after": curve[0]["reward"],',
         ("tests/flows/test_learning.py",),
+    ),
+    Mutant(
+        "rollouts ignore the rollout temperature",
+        "tasks/rollout.py",
+        "        temperature=cfg.temperature,\n",
+        "        temperature=1.0,\n",
+        G_ROLL,
+    ),
+    Mutant(
+        "every session of a group draws with the same seed",
+        "tasks/rollout.py",
+        "seed = cfg.seed * 100_003 + spec.task_seed * 101 + i",
+        "seed = cfg.seed * 100_003 + spec.task_seed * 101",
+        G_ROLL,
     ),
 ]

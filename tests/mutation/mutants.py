@@ -651,4 +651,11 @@ MUTANTS: list[Mutant] = [
         "seed = cfg.seed * 100_003 + spec.task_seed * 101",
         G_ROLL,
     ),
+    Mutant(
+        "weight sync does not check the served digest",
+        "infra/cells/engines.py",
+        'if got is not None and dtype == want.get("dtype") and got != want["sha256"]:',
+        "if False:",
+        G_SYNC,
+    ),
 ]

@@ -130,3 +130,49 @@ def _rename_into_place(tmp: str, dest: str) -> None:
                 os.rename(dest, os.path.join(aside, "d"))
             shutil.rmtree(aside, ignore_errors=True)
     raise OSError(f"could not place checkpoint at {dest}")
+
+
+DIGEST_FILE = "weights.json"
+
+
+def weights_digest(model) -> str:
+    """sha256 of a model's weights: every tensor of ``model.state_dict()`` by name (sorted),
+    with its dtype, shape and bytes; a tensor tied to one already hashed (a tied ``lm_head``)
+    counts once. Equal for two models iff they compute with the same numbers, whatever file
+    or process they were loaded in: what an engine serves can be checked against what the
+    trainer saved (``DIGEST_FILE`` in a checkpoint, infra/cells/engines.py)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    seen = set()
+    sd = model.state_dict()
+    for name in sorted(sd):
+        t = sd[name].detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_digest(model, out_dir: str) -> str:
+    """Write ``DIGEST_FILE`` (``{"sha256", "dtype"}``) for ``model`` into a checkpoint dir."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    digest = weights_digest(model)
+    with open(os.path.join(out_dir, DIGEST_FILE), "w") as fh:
+        json.dump({"sha256": digest, "dtype": dtype}, fh)
+    return digest
+
+
+def read_digest(ckpt_dir: str) -> dict | None:
+    """The ``DIGEST_FILE`` of a local checkpoint dir, or None (a copied model has none)."""
+    try:
+        with open(os.path.join(ckpt_dir, DIGEST_FILE)) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and "sha256" in rec else None

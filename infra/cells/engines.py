@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from infra.engine_api.client import EngineClient
-from storage.checkpoints import fetch_checkpoint
+from storage.checkpoints import fetch_checkpoint, read_digest
 from storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -71,15 +71,28 @@ def load_weights(plugin: Any, store: Store, run_id: str, version: int) -> dict[s
 
     Calls in flight are aborted and resubmitted by the gateway with their partial output
     (the harness sees nothing), so no recorded call claims a newer version than its oldest
-    token: policy lag is never under-counted.
+    token: policy lag is never under-counted. When the checkpoint carries the trainer's
+    weights digest and the engine reports one (of the same dtype), they must be equal: an
+    engine serving other weights under this version's label is a failed load.
     """
     path = fetch_checkpoint(store, run_id, version)
+    want = read_digest(path)
 
     async def update() -> dict[str, Any]:
         async with EngineClient(plugin.engine_url) as client:
-            return await client.update_weights_from_disk(
+            res = await client.update_weights_from_disk(
                 path, version, abort_all_requests=True, flush_cache=True
             )
+            if not res.get("success", False) or want is None:
+                return res
+            got, dtype = await client.weights_digest()
+            if got is not None and dtype == want.get("dtype") and got != want["sha256"]:
+                return {
+                    "success": False,
+                    "message": f"after loading {path} as v{version} the engine serves weights "
+                    f"{got[:16]}, but checkpoint v{version} holds {want['sha256'][:16]}",
+                }
+            return res
 
     return asyncio.run(update())
 

@@ -51,6 +51,7 @@ from infra.engine.batch_kv import BatchKV
 from infra.engine.errors import EngineInputError
 from infra.engine.radix_cache import RadixCache
 from infra.engine.sampling import SamplingParams, sample_batch
+from storage.checkpoints import weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class Engine:
         self._kv_used = 0  # last published by the scheduler (`_note_kv`)
         self._kv_peak = 0
         self._weight_version = int(weight_version)
+        self._digest: tuple[object, str] | None = None  # (model, its weights digest)
         self._epoch = 0  # bumps on every weight change: KV of older epochs is stale
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -413,6 +415,15 @@ class Engine:
         kv = kv.to(device=self.device, dtype=self.dtype)
         return self._run_command(lambda: self._cache_insert(ids, kv, partial=True))
 
+    def weights_digest(self) -> str:
+        """sha256 of the weights being served (storage/checkpoints.py ``weights_digest``),
+        computed once per loaded model: what a weight sync checks against the checkpoint."""
+        model, cached = self.model, self._digest
+        if cached is None or cached[0] is not model:
+            cached = (model, weights_digest(model))
+            self._digest = cached
+        return cached[1]
+
     def model_info(self) -> dict:
         return {
             "model_path": self.model_dir,
@@ -422,6 +433,7 @@ class Engine:
             "vocab_size": self.vocab_size,
             "eos_token_ids": self.eos_token_ids,
             "weight_version": str(self._weight_version),
+            "weights_digest": self.weights_digest(),
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,

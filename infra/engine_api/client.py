@@ -364,6 +364,12 @@ class EngineClient:
     async def weight_version(self) -> str:
         return str((await self._json("GET", "/get_weight_version"))["weight_version"])
 
+    async def weights_digest(self) -> tuple[str | None, str | None]:
+        """``(sha256 of the served weights, their dtype)`` from ``/get_model_info``; the
+        digest is None for an engine that does not report one (SGLang)."""
+        info = await self._json("GET", "/get_model_info")
+        return info.get("weights_digest"), info.get("dtype")
+
     async def export_kv(self, input_ids: list[int]) -> bytes:
         """gyre extension: the serialized KV of the engine's longest cached prefix of ids."""
         resp = await self._request(

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from storage.checkpoints import write_digest
 from tasks.train.logprobs import SamplingDist, SamplingDistError
 from tasks.train.packed_loss import (
     LossConfig,
@@ -261,12 +262,14 @@ class Trainer:
         }
 
     def save(self, out_dir: str) -> str:
-        """Weights (safetensors via ``save_pretrained``), tokenizer files copied from
-        ``model_dir`` when present, optimizer state in ``optimizer.pt`` and the
+        """Weights (safetensors via ``save_pretrained``) and their digest (an engine that
+        loads them must serve that digest: storage/checkpoints.py), tokenizer files copied
+        from ``model_dir`` when present, optimizer state in ``optimizer.pt`` and the
         trainer's counters in ``trainer_state.json``. Returns ``out_dir``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
+        write_digest(self.model, str(out))
         src = Path(self.model_dir)
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != out.resolve():

@@ -3,7 +3,9 @@
 A mutant is a plausible mistake (an off-by-one, a sign, a dropped ``.detach()``, a skipped
 filter, the wrong constant), not a syntax error. ``old`` must occur exactly once in ``path``;
 the runner refuses a mutant that no longer applies, so the list cannot rot silently when the
-code moves. The first eleven are the bugs issue 10 reported as passing every test.
+code moves. The first eleven are the bugs issue 10 reported as passing every test; the glue
+section (the code around the maths: clipping, DP, weight sync, evaluation, sampling settings,
+retries, commits) starts with the seven issue 15 reported as passing every fast test.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ LOGP = (T + "test_logprobs.py", T + "test_exactness.py")
 TRAJ = ("tests/tasks/trajectory", T + "test_exactness.py")
 SFT = (T + "test_sft.py",)
 ENGINE = ("tests/infra/engine/test_sampling.py", T + "test_logprobs.py")
+# the glue's fast tests (tests that pin behaviour against a plain reference computed in the test)
+G_TRAIN = (T + "test_trainer_glue.py",)
+G_DP = ("tests/tasks/test_dp_step.py",)
+G_SYNC = ("tests/infra/cells/test_weight_sync.py",)
+G_EVAL = ("tests/tasks/test_evaluate.py",)
+G_RETRY = ("tests/tasks/env/test_retry_credit.py",)
+G_ROLL = ("tests/tasks/test_rollout_sampling.py",)
+G_COMMIT = ("tests/storage/test_commits.py", "tests/storage/test_store.py")
 
 S = "tasks/trajectory/sampler.py"
 L = "tasks/train/losses.py"
@@ -442,5 +452,210 @@ MUTANTS: list[Mutant] = [
         "chosen[rows[idx]] = log_q[idx].gather(1, tok.unsqueeze(1)).squeeze(1) - kept",
         "chosen[rows[idx]] = log_q[idx].gather(1, tok.unsqueeze(1)).squeeze(1)",
         ENGINE,
+    ),
+    # ---- the glue: the seven of issue 15 ----
+    Mutant(
+        "gradient clipping silently off",
+        TR,
+        "max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf",
+        "max_norm = math.inf",
+        G_TRAIN,
+    ),
+    Mutant(
+        "a DP member normalises by its own shard",
+        "tasks/train_step.py",
+        "normalizer = float(sum(s.n_flat_trainable for s in train_on)) or 1.0",
+        "normalizer = float(sum(s.n_flat_trainable for s in mine)) or 1.0",
+        G_DP,
+    ),
+    Mutant(
+        "DP gradients averaged, not summed",
+        "tasks/train/dp.py",
+        "        flat = self._all_reduce(flat)\n",
+        "        flat = self._all_reduce(flat) / self.world\n",
+        G_DP,
+    ),
+    Mutant(
+        "weight sync loads the previous checkpoint under the new label",
+        "infra/cells/engines.py",
+        "path = fetch_checkpoint(store, run_id, version)",
+        "path = fetch_checkpoint(store, run_id, max(version - 1, 0))",
+        G_SYNC,
+    ),
+    Mutant(
+        "held-out evaluation samples instead of greedy",
+        "tasks/evaluate.py",
+        "        temperature=0.0,\n",
+        "        temperature=rollout.temperature,\n",
+        G_EVAL,
+    ),
+    Mutant(
+        "trainer temperature not taken from the rollout (run config)",
+        "flows/config.py",
+        'train["temperature"] = float(t) if isinstance(t, int | float) and t > 0 else 1.0',
+        'train["temperature"] = 1.0',
+        G_TRAIN,
+    ),
+    Mutant(
+        "per-sub-task credit: a retry takes the credit of a better first attempt",
+        "tasks/env/arith.py",
+        'if res.status != "finished" or score > res.score:',
+        "if True:",
+        G_RETRY,
+    ),
+    # ---- the glue: more of that kind ----
+    Mutant(
+        "trainer temperature not taken from the train section",
+        "tasks/train_step.py",
+        '"temperature": cfg.temperature if cfg.temperature is not None else 1.0,',
+        '"temperature": 1.0,',
+        G_TRAIN,
+    ),
+    Mutant(
+        "trainer top-p not taken from the train section",
+        "tasks/train_step.py",
+        '"top_p": cfg.top_p if cfg.top_p is not None else 1.0,',
+        '"top_p": 1.0,',
+        G_TRAIN,
+    ),
+    Mutant(
+        "trainer top-p not taken from the rollout (run config)",
+        "flows/config.py",
+        'train["top_p"] = rollout.get("top_p", RolloutConfig.model_fields["top_p"].default)',
+        'train["top_p"] = 1.0',
+        G_TRAIN,
+    ),
+    Mutant(
+        "DP gradients never reduced",
+        TR,
+        "            reduce_grads(self.model)\n",
+        "            pass\n",
+        G_DP,
+    ),
+    Mutant(
+        "every DP member trains the whole batch",
+        "tasks/train_step.py",
+        "mine = [train_on[i] for i in parts[rank]]",
+        "mine = list(train_on)",
+        G_DP,
+    ),
+    Mutant(
+        "DP metrics not summed over members",
+        "tasks/train/dp.py",
+        "        for k, v in zip(keys, vec.tolist(), strict=False):\n            out[k] = v\n",
+        "",
+        G_DP,
+    ),
+    Mutant(
+        "DP shard ignores the loads (all to one member)",
+        "tasks/train/dp.py",
+        "        loads[r] += sizes[i]\n",
+        "",
+        ("tests/tasks/test_dp.py", *G_DP),
+    ),
+    Mutant(
+        "engine keeps the old model on a weight load",
+        "infra/engine/engine.py",
+        "            self.model = model\n",
+        "",
+        G_SYNC,
+    ),
+    Mutant(
+        "engine keeps the old version label on a weight load",
+        "infra/engine/engine.py",
+        "            self._weight_version = version\n",
+        "",
+        G_SYNC,
+    ),
+    Mutant(
+        "held-out evaluation keeps the rollout's retries",
+        "tasks/evaluate.py",
+        "        max_attempts=cfg.max_attempts,\n",
+        "",
+        G_EVAL,
+    ),
+    Mutant(
+        "harness: the last attempt of a turn is not kept as history",
+        "tasks/env/harness.py",
+        "score >= s.retry_below or attempt == s.max_attempts - 1:",
+        "score >= s.retry_below or attempt == s.max_attempts:",
+        G_RETRY,
+    ),
+    Mutant(
+        "resumed trainer loses its optimizer state",
+        TR,
+        "            t.optimizer.load_state_dict(sd)\n",
+        "",
+        G_TRAIN,
+    ),
+    Mutant(
+        "step committed under the start version's label",
+        "tasks/train_step.py",
+        "    version = trainer.version\n    with tempfile",
+        "    version = start_version\n    with tempfile",
+        G_DP,
+    ),
+    Mutant(
+        "ledger refuses another run's samples",
+        "tasks/train_step.py",
+        "        if rid == run_id\n",
+        "        if rid != run_id\n",
+        ("tests/tasks/test_process_train.py",),
+    ),
+    Mutant(
+        "a commit writes no ledger rows",
+        "storage/commits.py",
+        '    store.append("ledger", ledger_rows)\n',
+        "",
+        G_COMMIT,
+    ),
+    Mutant(
+        "roll forward skips the newest committed step",
+        "storage/commits.py",
+        "        if v <= top:\n",
+        "        if v <= top + 1:\n",
+        G_COMMIT,
+    ),
+    Mutant(
+        "a resumed run continues from the oldest committed step",
+        "storage/commits.py",
+        'last = max(records, key=lambda r: int(r["version"]))',
+        'last = min(records, key=lambda r: int(r["version"]))',
+        G_COMMIT,
+    ),
+    Mutant(
+        "latest version is the oldest",
+        "storage/checkpoints.py",
+        "return vs[-1] if vs else None",
+        "return vs[0] if vs else None",
+        G_COMMIT,
+    ),
+    Mutant(
+        "learning summary: reward after is the first evaluation",
+        "flows/evaluation.py",
+        '"reward_after": curve[-1]["reward"],',
+        '"reward_after": curve[0]["reward"],',
+        ("tests/flows/test_learning.py",),
+    ),
+    Mutant(
+        "rollouts ignore the rollout temperature",
+        "tasks/rollout.py",
+        "        temperature=cfg.temperature,\n",
+        "        temperature=1.0,\n",
+        G_ROLL,
+    ),
+    Mutant(
+        "every session of a group draws with the same seed",
+        "tasks/rollout.py",
+        "seed = cfg.seed * 100_003 + spec.task_seed * 101 + i",
+        "seed = cfg.seed * 100_003 + spec.task_seed * 101",
+        G_ROLL,
+    ),
+    Mutant(
+        "weight sync does not check the served digest",
+        "infra/cells/engines.py",
+        'if got is not None and dtype == want.get("dtype") and got != want["sha256"]:',
+        "if False:",
+        G_SYNC,
     ),
 ]

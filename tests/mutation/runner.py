@@ -4,7 +4,7 @@ of the code, run the tests it names (``-x``), and report killed / survived.
     PYTHONPATH=$PWD python -m tests.mutation.runner            # all mutants, a table
     PYTHONPATH=$PWD python -m tests.mutation.runner --json out.json --only clip
 
-The copy holds ``tasks``, ``storage``, ``infra``, ``tests`` and ``pyproject.toml`` (no bytecode
+The copy holds ``flows``, ``tasks``, ``storage``, ``infra``, ``tests`` and ``pyproject.toml`` (no bytecode
 is written, so an edited file is never shadowed by a stale ``.pyc``). The runner first checks
 that the unmutated copy passes every test subset it will use. Each mutant runs in a child
 forked from a parent that has already imported torch, transformers and the other heavy
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import MUTANTS, Mutant  # noqa: E402  (a plain file: no project package imported)
 
-COPY = ("tasks", "storage", "infra", "tests", "pyproject.toml")
+COPY = ("flows", "tasks", "storage", "infra", "tests", "pyproject.toml")
 PROJECT = ("tasks", "storage", "infra", "flows", "tests")
 
 

@@ -1,0 +1,150 @@
+"""Fast: one data-parallel step of the training task over 2 real processes (gloo) equals one
+plain Trainer step on the same batch.
+
+``member_step`` (tasks/train_step.py) is run as a training cell runs it: two forked
+processes form a generation, each trains its shard with the whole batch's normaliser, the
+gradients are summed (tasks/train/dp.py) and rank 0 commits the new version. Checked
+against a single ``Trainer`` on the same samples in the same order: the reduced gradient
+(so the members' normalisers add up to the batch's and the gradients are summed, not
+averaged), the loss and gradient norm, and the committed weights. The slow join/leave test
+(tests/tasks/test_dp.py) covers membership changes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from storage.checkpoints import fetch_checkpoint, publish_checkpoint
+from storage.store import Store
+from tasks.train import dp
+from tasks.train.config import TrainConfig
+from tasks.train.trainer import Trainer
+from tasks.train_step import load_samples, member_step, restore_trainer
+from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.synth import random_session
+from tasks.trajectory.tree import build_trees
+from tests.models import micro_qwen3_config
+
+pytestmark = pytest.mark.integration
+
+RUN = "dp"
+CFG = TrainConfig(lr=1e-5, max_tokens_per_micro=96, max_staleness=1, stale_policy="drop")
+
+
+def _grads(model) -> dict[str, np.ndarray]:
+    return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _weights(model) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def _member(store_url: str, plan: dp.StepPlan, rank: int, out) -> None:
+    """A training cell's process: its part of the step; the reduced gradient is recorded."""
+    torch.set_num_threads(1)
+    try:
+        seen: dict[str, np.ndarray] = {}
+        reduce = dp.DPGroup.reduce_grads
+
+        def spy(self, model):
+            reduce(self, model)
+            seen.update(_grads(model))
+
+        dp.DPGroup.reduce_grads = spy
+        holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
+        done = member_step(Store(store_url), RUN, plan, rank, CFG, holder=holder, backend="gloo")
+        holder.dp.close()
+        out.put((rank, done.metrics, seen, done.checkpoint))
+    except Exception:
+        out.put((rank, "error", traceback.format_exc(), ""))
+
+
+@pytest.fixture
+def store_with_batch(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(micro_qwen3_config(40), attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "model")
+    store = Store(str(tmp_path / "store"))
+    publish_checkpoint(store, RUN, str(tmp_path / "model"), 0)
+    rng = np.random.default_rng(3)
+    recs, spans = [], {}
+    for i in range(6):
+        r, sp = random_session(rng, n_calls=5, session_id=f"s{i}", run_id=RUN, p_version_bump=0)
+        recs += r
+        spans.update(sp)
+    rewards = {f"s{i}": float(rng.random()) for i in range(6)}
+    samples = build_samples(
+        build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=RUN
+    )
+    seg = store.append("samples", [s.to_row() for s in samples])
+    return store, seg
+
+
+def test_two_members_make_the_one_member_step(store_with_batch):
+    store, seg = store_with_batch
+    port_store, port = dp.host_store("127.0.0.1")
+    plan = dp.StepPlan(
+        step=0,
+        version=0,
+        generation=0,
+        host="127.0.0.1",
+        port=port,
+        members=("a", "b"),
+        groups=(0,),
+        segments=(seg,),
+        shuffle_seed=5,
+    )
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(store.url, plan, r, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, metrics, grads, ckpt = out.get(timeout=120)
+            assert metrics != "error", f"rank {rank}: {grads}"
+            got[rank] = (metrics, grads, ckpt)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        del port_store
+
+    # the reference: one trainer, the same samples in the same order, no reduction
+    samples = load_samples(store, seg)
+    samples.sort(key=lambda s: s.sample_id)
+    random.Random(plan.shuffle_seed).shuffle(samples)
+    parts = dp.shard([s.n_tokens for s in samples], 2)
+    assert all(parts), "both members must train part of the batch"
+    ref = restore_trainer(store, RUN, 0, CFG)
+    ref_grads: dict[str, np.ndarray] = {}
+    ref_m = ref.step(samples, reduce_grads=lambda m: ref_grads.update(_grads(m)))
+
+    for rank, (m, grads, _) in got.items():
+        assert grads.keys() == ref_grads.keys()
+        for k, g in ref_grads.items():
+            err = float(np.abs(grads[k] - g).max())
+            assert err <= 1e-6 * max(1.0, float(np.abs(g).max())), f"rank {rank} grad {k}: {err}"
+        assert m["train/grad_norm"] == pytest.approx(ref_m["train/grad_norm"], rel=1e-5)
+        assert m["train/loss"] == pytest.approx(ref_m["train/loss"], rel=1e-5, abs=1e-8)
+        assert m["train/trainable_tokens"] == ref_m["train/trainable_tokens"]
+    # rank 0 committed v1: the one-member weights
+    assert got[0][2] and not got[1][2]
+    committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=CFG.lr)
+    want = _weights(ref.model)
+    for k, w in _weights(committed.model).items():
+        assert float(np.abs(w - want[k]).max()) <= 1e-6, k

@@ -164,13 +164,14 @@ class PrefectWork:
         return jobs
 
 
-def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
-    """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows)."""
+def explain(d: Decision, s: SchedState, cfg: RunConfig, v0: int = 0) -> str:
+    """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows);
+    versions in the run's count (the coordinator's ``v`` is the run's ``v0 + v``)."""
     sc = cfg.scheduler
-    oldest = min((v.version for v in s.versions), default=s.version)
+    oldest = v0 + min((v.version for v in s.versions), default=s.version)
     base = (
         f"{sc.mode}: {s.water_level} groups buffered, {s.in_flight} in flight "
-        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{s.version}, "
+        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{v0 + s.version}, "
         f"step {'running' if s.step_running else 'idle'}, "
         f"{s.count('rollout')} rollout / {s.count('train')} train cells, "
         f"marks {sc.low_mark:g}/{sc.high_mark:g}s"
@@ -178,7 +179,7 @@ def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
     if isinstance(d, Move):
         return f"move to {d.to} ({sum(n for _, n in d.reroute)} groups rerouted); {base}"
     if isinstance(d, LoadWeights):
-        return f"load v{d.version}; {base}"
+        return f"load v{v0 + d.version}; {base}"
     if isinstance(d, StartStep):
         return f"step on {d.samples} groups over {len(d.cells)} member(s); {base}"
     return base
@@ -273,7 +274,7 @@ def schedule(
                 for d in coord.handle(Tick(time.monotonic() - t0)):
                     if not isinstance(d, StartRollouts):
                         decisions += 1
-                    ex.apply(d, explain(d, state, cfg))
+                    ex.apply(d, explain(d, state, cfg, ex.version0))
                 if bar.n != ex.stats.steps:
                     bar.update(ex.stats.steps - bar.n)
                     progress.update(ex.stats.steps, _reward(ex))

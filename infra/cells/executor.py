@@ -173,7 +173,11 @@ class Executor(Healing):
         self.engine = engine
         self.addrs = sorted(cells.roles)
         self.version = version
-        self.version0 = version  # the coordinator counts versions from 0: this is its 0
+        # the coordinator counts versions from 0 at every invocation (its lag admission
+        # counts rollouts from there too); the store's checkpoints carry the run's versions,
+        # which a resumed run continues: `run_version` and `coord_version` are the one
+        # translation between the two, at this door
+        self.version0 = version
         self.first_step = first_step  # a resumed run's step numbers continue
         self.drain_timeout_s = drain_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -242,6 +246,15 @@ class Executor(Healing):
             self.timeline.append({"cell": i, "event": event, "role": role, "t": now - self.t0})
         self.store.append("cells", [row])
 
+    def run_version(self, v: int) -> int:
+        """The run's (the store's) version of the coordinator's version ``v``."""
+        return self.version0 + v
+
+    def coord_version(self, v: int) -> int:
+        """The coordinator's version of the run's version ``v`` (negative: from before this
+        invocation, older than anything the coordinator knows)."""
+        return v - self.version0
+
     # -- start and stop -----------------------------------------------------------------
     def start(self, roles: tuple[str, ...], reason: str) -> None:
         """Give every cell its initial role; rollout cells get an engine the gateway routes to."""
@@ -282,8 +295,9 @@ class Executor(Healing):
         elif isinstance(d, Move):
             self._move(d, reason)
         elif isinstance(d, LoadWeights):
-            self.record(d.cell, "decide", "rollout", reason, f"load v{d.version}")
-            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, d.version)
+            v = self.run_version(d.version)
+            self.record(d.cell, "decide", "rollout", reason, f"load v{v}")
+            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v)
         elif isinstance(d, StartStep):
             self._start_step(d, reason)
         else:  # pragma: no cover - the Decision union is closed
@@ -348,7 +362,7 @@ class Executor(Healing):
             return [MoveDone(i)]
         if kind == "loaded":
             _, i, v = item
-            return [WeightsLoaded(i, v)]
+            return [WeightsLoaded(i, self.coord_version(v))]
         if kind == "member":
             if item[1] != self.step_token or self.step_retry is not None:
                 return []  # an aborted attempt's member
@@ -373,9 +387,8 @@ class Executor(Healing):
             g = self.groups[self.held.pop(k)]
             g.phase = "buffered"
             self.buffer[g.index] = g
-            v = getattr(g.processed, "version_min", -1)
-            v = v - self.version0 if v >= 0 else -1  # in the coordinator's count
-            out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
+            v = getattr(g.processed, "version_min", -1)  # -1: unknown
+            out.append(RolloutFinished(g.cell, g.index, self.coord_version(v) if v >= 0 else None))
         return out
 
     # -- evaluation pins (flows/evaluation.py) --------------------------------------------

@@ -343,6 +343,7 @@ class Executor(Healing):
             for h in g.sessions:  # no KV moves for sessions that are over
                 self.gateway.end_session(h.session_id)
             self.gateway.flush()  # every answered call is in the store before processing
+            self._mark_lost_sessions(g.sessions)
             g.phase = "process"
             g.deadline = time.monotonic() + self.job_timeout_s
             g.job = self.work.process(g.index, g.sessions, self.version)

@@ -31,6 +31,10 @@ from tasks.train.dp import host_store
 log = logging.getLogger(__name__)
 
 UNRUNNABLE_CHECK_S = 5.0  # how often in-flight tasks are checked for waiting on no cell
+LOST_REASON = (
+    "cell lost: its rollout task died with its cell (placed on {cell}); the group was rolled "
+    "out again as new sessions, this one is never trained on"
+)
 
 
 class ExecutorError(RuntimeError):
@@ -188,6 +192,40 @@ class Healing:
         self.membership.healed(i)
         self.record(i, "rejoin", role, f"worker {old} was lost", f"worker {addr}")
         self._q.put(("healed", i))
+
+    def _mark_lost_sessions(self, handles: list[Any]) -> None:
+        """Sessions of a group that its finished task did not return were started by an
+        attempt of the task that died with its cell (Dask ran it again, with new sessions):
+        their calls stay in ``tito``, and a ``rollouts`` row with status ``lost`` marks
+        them, so that SQL tells them apart (no reward: they are never trained on)."""
+        groups = {h.group_id for h in handles}
+        returned = {h.session_id for h in handles}
+        rows = []
+        for gid in sorted(groups):
+            for s in self.gateway.group_sessions(gid):
+                if s["session_id"] in returned:
+                    continue
+                self.gateway.end_session(s["session_id"])
+                meta = s["meta"]
+                rows.append(
+                    {
+                        "run_id": self.run_id,
+                        "session_id": s["session_id"],
+                        "group_id": gid,
+                        "step": meta.get("step"),
+                        "task_id": meta.get("task_id"),
+                        "status": "lost",
+                        "reward": None,
+                        "n_calls": s["calls"],
+                        "n_tokens_unique": s["tokens"],
+                        "n_tokens_flat": None,
+                        "reason": LOST_REASON.format(cell=meta.get("cell_id") or "?"),
+                        "parent_session_id": None,
+                    }
+                )
+        if rows:
+            log.warning("%d session(s) of %s lost with their cell", len(rows), sorted(groups))
+            self.store.append("rollouts", rows)
 
     def _abort_step(self, why: str) -> None:
         """Stop the running step's attempt: cancel members that have not started, and

@@ -14,8 +14,10 @@ simulation (dask's adaptive core and worker state machine work the same way):
 - ``Move(cell, "rollout")`` (between optimizer steps): the cell leaves the DP group, its
   engine (parked, or started) loads the newest weights *before* the gateway routes to it,
   then it takes the ``rollout`` resource; then ``MoveDone``.
-- ``LoadWeights(cell, v)``: the engine loads checkpoint ``v`` (calls in flight continue
-  after a transparent resubmit); then ``WeightsLoaded``.
+- ``LoadWeights(cell, v)``: the engine loads the run's checkpoint ``run_version(v)`` (calls
+  in flight continue after a transparent resubmit); then ``WeightsLoaded``. Decisions and
+  events count versions as the coordinator does, from 0 at this invocation's start; the
+  executor's own state, the store and the engines count the run's versions.
 - ``StartStep(cells, n)``: ``n`` buffered groups, one data-parallel step over ``cells``
   (a new DP generation whenever the members changed); then ``StepFinished``.
 

@@ -314,9 +314,8 @@ def schedule(
                 token.delete()
             except Exception as exc:
                 logger.warning("could not delete the admin token variable: %s", exc)
-    progress.update(
-        ex.stats.steps, _reward(ex), work.failures.n_failed
-    )  # the last step ends the loop before the bar
+    # the last step ends the loop before the progress line shows it
+    progress.update(ex.stats.steps, _reward(ex), work.failures.n_failed)
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
     logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])

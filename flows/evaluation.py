@@ -149,8 +149,8 @@ class HeldOut:
             if not asked:
                 serving = sorted(ex.routed)
                 why = "held-out evaluation of the final version"
-                if serving:
-                    ex.apply(LoadWeights(serving[0], final), why)
+                if serving:  # a decision counts versions as the coordinator does
+                    ex.apply(LoadWeights(serving[0], ex.coord_version(final)), why)
                 else:  # colocate ends with every cell training: bring one back to serve
                     ex.apply(Move(0, "rollout"), why)
                 asked = True

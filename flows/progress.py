@@ -1,6 +1,7 @@
 """What a run shows in the Prefect UI besides its logs: artifacts with rounded figures.
 
-- a progress artifact, "step k of N, reward r", updated after every optimizer step;
+- a progress artifact, "step k of N, reward r, f sessions failed", updated after every
+  optimizer step;
 - the resolved settings of the run (markdown, YAML);
 - the summary table, with the query that shows the run's steps.
 
@@ -50,7 +51,7 @@ def config_markdown(cfg_dict: dict[str, Any]) -> str:
 
 
 class Progress:
-    """One progress artifact per run: ``step k of N, reward r``."""
+    """One progress artifact per run: ``step k of N, reward r, f sessions failed``."""
 
     def __init__(self, run_id: str, first_step: int, steps: int):
         self.first, self.steps = first_step, max(1, steps)
@@ -67,15 +68,22 @@ class Progress:
             log.warning("no progress artifact: %s", exc)
         self.run_id = run_id
 
-    def update(self, done: int, reward: float | None) -> None:
-        """``done`` steps of this invocation finished; ``reward``: the last step's mean."""
+    def update(self, done: int, reward: float | None, failed: int = 0) -> None:
+        """``done`` steps of this invocation finished; ``reward``: the last step's mean;
+        ``failed``: sessions whose harness failed so far (tasks/rollout.py)."""
         if self.id is None:
             return
-        r = "n/a" if reward is None else f"{rounded(float(reward), 3)}"
-        desc = f"{self.run_id}: step {self.first + done} of {self.first + self.steps}, reward {r}"
+        desc = self.describe(done, reward, failed)
         try:
             from prefect.artifacts import update_progress_artifact
 
             update_progress_artifact(self.id, round(100.0 * done / self.steps, 1), desc)
         except Exception as exc:
             log.warning("progress artifact not updated: %s", exc)
+
+    def describe(self, done: int, reward: float | None, failed: int = 0) -> str:
+        r = "n/a" if reward is None else f"{rounded(float(reward), 3)}"
+        return (
+            f"{self.run_id}: step {self.first + done} of {self.first + self.steps}, reward {r}, "
+            f"{failed} sessions failed"
+        )

@@ -37,7 +37,7 @@ from storage.store import Store
 from tasks.env.heldout import train_task_seed
 from tasks.handles import GroupSpec
 from tasks.process import process_group
-from tasks.rollout import admin_token_variable, rollout_group
+from tasks.rollout import FailedSessions, admin_token_variable, rollout_group
 from tasks.sched.config import build_policy, group_shape
 from tasks.sched.coordinator import (
     Coordinator,
@@ -97,6 +97,7 @@ class PrefectWork:
         self.first_group = first_group  # a resumed run's groups continue the numbering
         self.total = first_group + cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
+        self.failures = FailedSessions(cfg.rollout)  # a broken agent stops the run
 
     def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
@@ -142,6 +143,12 @@ class PrefectWork:
             self.cfg.train,
             self.since.pop(index, None),
         )
+        self.failures.add(sessions)
+        if self.failures.error is not None:  # the run stops at this tick (the loop checks)
+            try:  # this group's rollouts rows, with every session's reason, reach the store
+                fut.result(timeout=120)
+            except Exception as exc:
+                log.warning("processing the failed group g%d: %s", group, exc)
         return _Job(fut)
 
     def step(self, plan: StepPlan) -> list[_Job]:
@@ -164,13 +171,14 @@ class PrefectWork:
         return jobs
 
 
-def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
-    """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows)."""
+def explain(d: Decision, s: SchedState, cfg: RunConfig, v0: int = 0) -> str:
+    """Why the policy decided ``d``: the state it saw, with numbers (for the ``cells`` rows);
+    versions in the run's count (the coordinator's ``v`` is the run's ``v0 + v``)."""
     sc = cfg.scheduler
-    oldest = min((v.version for v in s.versions), default=s.version)
+    oldest = v0 + min((v.version for v in s.versions), default=s.version)
     base = (
         f"{sc.mode}: {s.water_level} groups buffered, {s.in_flight} in flight "
-        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{s.version}, "
+        f"(oldest base v{oldest}, lag bound {cfg.train.max_staleness}), v{v0 + s.version}, "
         f"step {'running' if s.step_running else 'idle'}, "
         f"{s.count('rollout')} rollout / {s.count('train')} train cells, "
         f"marks {sc.low_mark:g}/{sc.high_mark:g}s"
@@ -178,7 +186,7 @@ def explain(d: Decision, s: SchedState, cfg: RunConfig) -> str:
     if isinstance(d, Move):
         return f"move to {d.to} ({sum(n for _, n in d.reroute)} groups rerouted); {base}"
     if isinstance(d, LoadWeights):
-        return f"load v{d.version}; {base}"
+        return f"load v{v0 + d.version}; {base}"
     if isinstance(d, StartStep):
         return f"step on {d.samples} groups over {len(d.cells)} member(s); {base}"
     return base
@@ -260,6 +268,7 @@ def schedule(
     t0 = time.monotonic()
     decisions = 0
     interrupted = False
+    last_shown = (0, 0)  # (steps, failed sessions) on the progress line
     try:
         with stop_points():
             while True:
@@ -273,15 +282,19 @@ def schedule(
                 for d in coord.handle(Tick(time.monotonic() - t0)):
                     if not isinstance(d, StartRollouts):
                         decisions += 1
-                    ex.apply(d, explain(d, state, cfg))
-                if bar.n != ex.stats.steps:
+                    ex.apply(d, explain(d, state, cfg, ex.version0))
+                shown = (ex.stats.steps, work.failures.n_failed)
+                if shown != last_shown:  # a step, or a failed session (shown at once)
+                    last_shown = shown
                     bar.update(ex.stats.steps - bar.n)
-                    progress.update(ex.stats.steps, _reward(ex))
+                    progress.update(ex.stats.steps, _reward(ex), work.failures.n_failed)
                     s = coord.state()
                     bar.set_postfix_str(
                         f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
-                        f"{s.count('rollout')}R/{s.count('train')}T"
+                        f"{s.count('rollout')}R/{s.count('train')}T "
+                        f"failed {work.failures.n_failed}/{work.failures.n_sessions} sessions"
                     )
+                work.failures.check()  # a broken agent: the run stops, naming the reasons
         check_stop()  # one that came during the last tick
     except BaseException:
         interrupted = True  # Ctrl-C, SIGTERM, or a failure: stop quickly
@@ -301,7 +314,8 @@ def schedule(
                 token.delete()
             except Exception as exc:
                 logger.warning("could not delete the admin token variable: %s", exc)
-    progress.update(ex.stats.steps, _reward(ex))  # the last step ends the loop before the bar
+    # the last step ends the loop before the progress line shows it
+    progress.update(ex.stats.steps, _reward(ex), work.failures.n_failed)
     seconds = time.monotonic() - t0
     report = write_report(ex, store, run_id, seconds, cfg.scheduler.mode)
     logger.info("%s: %d steps in %.1fs; %s", sc.mode, ex.stats.steps, seconds, report["summary"])

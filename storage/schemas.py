@@ -71,7 +71,7 @@ ROLLOUTS_SCHEMA = pa.schema(
         ("group_id", pa.string()),
         ("step", pa.int32()),  # training step the rollout was collected for
         ("task_id", pa.string()),
-        ("status", pa.string()),  # finished | failed | timeout
+        ("status", pa.string()),  # finished | failed | timeout | lost (its task died with its cell)
         ("reward", pa.float64()),  # declared aggregation of sub-task scores
         ("n_calls", pa.int32()),
         ("n_tokens_unique", pa.int64()),

@@ -242,6 +242,52 @@ def roll_out_group(
     return handles
 
 
+class RolloutsFailed(RuntimeError):
+    """More than ``rollout.max_failed_fraction`` of a step's sessions failed."""
+
+
+class FailedSessions:
+    """Failed sessions per step, against ``rollout.max_failed_fraction``.
+
+    A step's sessions are its ``groups_per_step x group_size`` rollout sessions (the
+    handles of its groups, by ``SessionHandle.step``); a session ``failed`` when its harness
+    raised (a broken agent: a wrong model name, a crash), not when it timed out or the run
+    ended first. As soon as the failures of one step pass the fraction of the step's
+    sessions, ``error`` names the step and the first reasons and ``check`` raises
+    ``RolloutsFailed``, so a broken agent stops the run at its first step instead of
+    training on nothing."""
+
+    def __init__(self, cfg: RolloutConfig):
+        self.per_step = cfg.groups_per_step * cfg.group_size
+        self.max_fraction = cfg.max_failed_fraction
+        self.failed: dict[int, list[SessionHandle]] = {}
+        self.n_sessions = 0
+        self.n_failed = 0
+        self.error: str | None = None  # the first step past the bound, with its reasons
+
+    def add(self, handles: list[SessionHandle]) -> None:
+        for h in handles:
+            self.n_sessions += 1
+            if h.status == "failed":
+                self.n_failed += 1
+                self.failed.setdefault(h.step, []).append(h)
+        for step in sorted({h.step for h in handles}):
+            bad = self.failed.get(step, [])
+            if self.error is None and len(bad) > self.max_fraction * self.per_step:
+                reasons = list(dict.fromkeys(h.reason or "(no reason)" for h in bad))
+                first = "; ".join(repr(r) for r in reasons[:3])  # each at most 500 chars
+                self.error = (
+                    f"step {step}: {len(bad)} of its {self.per_step} sessions failed, more "
+                    f"than rollout.max_failed_fraction={self.max_fraction:g}; first reasons: "
+                    f"{first}. Check the agent (rollout.harness) against the gateway; the "
+                    "reasons of all are in the rollouts dataset (status 'failed')"
+                )
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RolloutsFailed(self.error)
+
+
 def admin_token_variable(run_id: str) -> str:
     """The Dask Variable holding a run's gateway admin token. Secrets travel to the cells
     through the cluster's scheduler, never as Prefect parameters (which the UI shows)."""

@@ -62,16 +62,33 @@ def sample_lag(sample: Sample, version: int) -> tuple[float, int, int]:
 
 
 def drop_stale(sample: Sample, version: int, max_lag: int) -> tuple[Sample, int]:
-    """The sample with no loss weight on tokens older than ``version - max_lag``; returns it
-    and how many trainable tokens were dropped (their context stays: later tokens see it)."""
-    old = (sample.versions >= 0) & (sample.versions < version - max_lag) & sample.trainable_mask
+    """The sample with the tokens older than ``version - max_lag`` out of training, as the
+    sampler's drop leaves them (tasks/trajectory/sampler.py, ``min_version``): no loss
+    weight, no branch count (so neither the KL nor the entropy term sees them), and not in
+    the loss normaliser ``n_flat_trainable`` nor in ``n_trainable``. Their context stays:
+    later tokens see it. Returns the sample and how many trainable tokens were dropped.
+
+    A token of lag ``max_lag`` is kept; one of ``max_lag + 1`` is dropped."""
+    counts = sample.counts if sample.counts is not None else sample.trainable_mask
+    trained = sample.trainable_mask | (counts > 0)
+    old = (sample.versions >= 0) & (sample.versions < version - max_lag) & trained
     n = int(old.sum())
     if n == 0:
         return sample, 0
-    wp, wn = sample.weight_pos.copy(), sample.weight_neg.copy()
-    wp[old] = 0.0
-    wn[old] = 0.0
-    return replace(sample, weight_pos=wp, weight_neg=wn), n
+    wp, wn, cnt = sample.weight_pos.copy(), sample.weight_neg.copy(), counts.astype(np.int32)
+    n_flat = int(cnt[old].sum())
+    wp[old], wn[old], cnt[old] = 0.0, 0.0, 0
+    return (
+        replace(
+            sample,
+            weight_pos=wp,
+            weight_neg=wn,
+            counts=cnt,
+            n_trainable=sample.n_trainable - n,
+            n_flat_trainable=sample.n_flat_trainable - n_flat,
+        ),
+        n,
+    )
 
 
 def _trainer_kwargs(cfg: TrainConfig) -> dict[str, Any]:

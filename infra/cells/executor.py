@@ -14,8 +14,10 @@ simulation (dask's adaptive core and worker state machine work the same way):
 - ``Move(cell, "rollout")`` (between optimizer steps): the cell leaves the DP group, its
   engine (parked, or started) loads the newest weights *before* the gateway routes to it,
   then it takes the ``rollout`` resource; then ``MoveDone``.
-- ``LoadWeights(cell, v)``: the engine loads checkpoint ``v`` (calls in flight continue
-  after a transparent resubmit); then ``WeightsLoaded``.
+- ``LoadWeights(cell, v)``: the engine loads the run's checkpoint ``run_version(v)`` (calls
+  in flight continue after a transparent resubmit); then ``WeightsLoaded``. Decisions and
+  events count versions as the coordinator does, from 0 at this invocation's start; the
+  executor's own state, the store and the engines count the run's versions.
 - ``StartStep(cells, n)``: ``n`` buffered groups, one data-parallel step over ``cells``
   (a new DP generation whenever the members changed); then ``StepFinished``.
 
@@ -24,16 +26,9 @@ weight load; units of work are started on the caller's thread (Prefect submits n
 flow's context). Every decision and role change is appended to the ``cells`` dataset with
 its reason; every wait has a bound and its error names what it waited for.
 
-Faults (the coordinator never sees them; `infra.cells.membership` keeps the books): a cell
-whose worker process dies is *lost*: the gateway stops routing to its engine (its sessions'
-next calls re-prefill on another cell), a step it was in is aborted (the DP rendezvous is
-replaced so the survivors stop at once) and an action on it waits for the cell to heal. The
-worker the cluster gains next (the nanny restarts a killed worker) takes the lost cell's
-place and role: a rollout cell's engine starts with the newest weights before the gateway
-routes to it. The aborted step is then retried, the same step on the same samples from the
-same version, unless it committed before the loss (storage/commits.py). Rollout and
-processing tasks that died with a worker are rerun by Dask; each has a deadline, and one
-that no cell can take (Dask's ``no-worker``) for longer than a heal stops the run.
+Faults (the coordinator never sees them): lost cells are healed, aborted steps retried and
+tasks that no cell can take stop the run; `infra.cells.healing` holds that part, and
+`infra.cells.membership` keeps the books.
 """
 
 from __future__ import annotations
@@ -48,14 +43,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from infra.cells.cluster import ROLES, CellLost, Cells
+from infra.cells.cluster import Cells
 from infra.cells.engines import engine_stats, load_weights, park_engine, start_engine
+from infra.cells.healing import ExecutorError, Healing
 from infra.cells.membership import Membership
-from storage.checkpoints import read_commit
-from storage.commits import roll_forward
 from storage.store import Store, StoreError
 from tasks.sched.coordinator import (
     Decision,
@@ -72,12 +66,6 @@ from tasks.sched.coordinator import (
 from tasks.train.dp import StepPlan, host_store
 
 log = logging.getLogger(__name__)
-
-UNRUNNABLE_CHECK_S = 5.0  # how often in-flight tasks are checked for waiting on no cell
-
-
-class ExecutorError(RuntimeError):
-    """A decision could not be carried out (the message says which and what to check)."""
 
 
 class Job(Protocol):
@@ -129,16 +117,6 @@ class Group:
     deadline: float = math.inf  # monotonic: its rollout or processing must be done by then
 
 
-@dataclass(frozen=True)
-class CommittedStep:
-    """A step found committed in the store (its member was lost after the commit)."""
-
-    step: int
-    weight_version: int
-    checkpoint: str
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 @dataclass
 class Stats:
     """What the executor did, for the run summary and bench/modes.py."""
@@ -160,7 +138,7 @@ class Stats:
     step_retries: int = 0
 
 
-class Executor:
+class Executor(Healing):
     """Carries out decisions on cells, the gateway, engines and the DP group."""
 
     def __init__(
@@ -197,7 +175,11 @@ class Executor:
         self.engine = engine
         self.addrs = sorted(cells.roles)
         self.version = version
-        self.version0 = version  # the coordinator counts versions from 0: this is its 0
+        # the coordinator counts versions from 0 at every invocation (its lag admission
+        # counts rollouts from there too); the store's checkpoints carry the run's versions,
+        # which a resumed run continues: `run_version` and `coord_version` are the one
+        # translation between the two, at this door
+        self.version0 = version
         self.first_step = first_step  # a resumed run's step numbers continue
         self.drain_timeout_s = drain_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -266,6 +248,15 @@ class Executor:
             self.timeline.append({"cell": i, "event": event, "role": role, "t": now - self.t0})
         self.store.append("cells", [row])
 
+    def run_version(self, v: int) -> int:
+        """The run's (the store's) version of the coordinator's version ``v``."""
+        return self.version0 + v
+
+    def coord_version(self, v: int) -> int:
+        """The coordinator's version of the run's version ``v`` (negative: from before this
+        invocation, older than anything the coordinator knows)."""
+        return v - self.version0
+
     # -- start and stop -----------------------------------------------------------------
     def start(self, roles: tuple[str, ...], reason: str) -> None:
         """Give every cell its initial role; rollout cells get an engine the gateway routes to."""
@@ -310,8 +301,9 @@ class Executor:
         elif isinstance(d, Move):
             self._move(d, reason)
         elif isinstance(d, LoadWeights):
-            self.record(d.cell, "decide", "rollout", reason, f"load v{d.version}")
-            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, d.version)
+            v = self.run_version(d.version)
+            self.record(d.cell, "decide", "rollout", reason, f"load v{v}")
+            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v)
         elif isinstance(d, StartStep):
             self._start_step(d, reason)
         else:  # pragma: no cover - the Decision union is closed
@@ -357,6 +349,7 @@ class Executor:
             for h in g.sessions:  # no KV moves for sessions that are over
                 self.gateway.end_session(h.session_id)
             self.gateway.flush()  # every answered call is in the store before processing
+            self._mark_lost_sessions(g.sessions)
             g.phase = "process"
             g.deadline = time.monotonic() + self.job_timeout_s
             g.job = self.work.process(g.index, g.sessions, self.version)
@@ -376,7 +369,7 @@ class Executor:
             return [MoveDone(i)]
         if kind == "loaded":
             _, i, v = item
-            return [WeightsLoaded(i, v)]
+            return [WeightsLoaded(i, self.coord_version(v))]
         if kind == "member":
             if item[1] != self.step_token or self.step_retry is not None:
                 return []  # an aborted attempt's member
@@ -401,9 +394,8 @@ class Executor:
             g = self.groups[self.held.pop(k)]
             g.phase = "buffered"
             self.buffer[g.index] = g
-            v = getattr(g.processed, "version_min", -1)
-            v = v - self.version0 if v >= 0 else -1  # in the coordinator's count
-            out.append(RolloutFinished(g.cell, g.index, v if v >= 0 else None))
+            v = getattr(g.processed, "version_min", -1)  # -1: unknown
+            out.append(RolloutFinished(g.cell, g.index, self.coord_version(v) if v >= 0 else None))
         return out
 
     # -- evaluation pins (flows/evaluation.py) --------------------------------------------
@@ -467,248 +459,6 @@ class Executor:
         self.record(i, "decide", transit, reason, f"to {d.to}")
         fn = self._to_train if d.to == "train" else self._to_rollout
         self._pool.submit(self._guard, ("move", i), fn, i, t, reason)
-
-    def _guard(self, what: tuple, fn, *args) -> None:
-        """Run a control-plane action on cell ``what[1]`` under its lock; if the cell's
-        worker died under it, wait (bounded) for the cell to heal and run it again there."""
-        i = what[1]
-        for _ in range(3):
-            addr = self.addrs[i]
-            try:
-                with self._acting_on(i), self._cell_locks[i]:
-                    fn(*args)
-                return
-            except Exception as exc:
-                if isinstance(exc, CellLost) or not self._alive(addr):
-                    log.warning("%s of cell %d: its worker %s is gone (%s)", what[0], i, addr, exc)
-                    if self._wait_healed(i, addr):
-                        continue
-                    exc = ExecutorError(
-                        f"{what[0]} of cell {i}: its worker {addr} was lost and no worker took "
-                        f"its place within {self.heal_timeout_s:.0f}s"
-                    )
-                log.exception("executor action %s failed", what)
-                self._q.put(("error", f"{what[0]} of cell {i}", exc))
-                return
-        self._q.put(("error", f"{what[0]} of cell {i}", ExecutorError("lost 3 times in a row")))
-
-    def _alive(self, addr: str) -> bool:
-        try:
-            return addr in self.cells.workers()
-        except Exception:  # the scheduler itself is unreachable: not a cell fault
-            return True
-
-    def _wait_healed(self, i: int, addr: str) -> bool:
-        """Wait until cell ``i`` runs on a worker other than ``addr`` with its role back."""
-        deadline = time.monotonic() + self.heal_timeout_s + 30
-        while time.monotonic() < deadline and not self._closing.is_set():
-            if self.addrs[i] != addr and not self.membership.is_lost(i):
-                return True
-            time.sleep(0.1)
-        return False
-
-    # -- faults ---------------------------------------------------------------------------
-    def _watch(self, force: bool = False) -> list[Event]:
-        """Look at the cluster's workers (at most every ``watch_s``): lost cells, their
-        replacements, overdue heals, rollout/processing deadlines, an aborted step."""
-        now = time.monotonic()
-        if not force and now - self._watched < self.watch_s:
-            return []
-        self._watched = now
-        try:
-            alive = self.cells.workers()
-        except Exception as exc:  # the scheduler is unreachable: say so, try again next tick
-            log.warning("cannot list the cluster's workers: %s", exc)
-            return []
-        lost_addr = {i: self.addrs[i] for i in range(len(self.addrs))}
-        obs = self.membership.observe(alive, now)
-        for i in obs.lost:
-            self._on_lost(i, lost_addr[i])
-        for i, addr in obs.heal:
-            log.warning("cell %d: worker %s takes the place of %s", i, addr, self.lost_addr[i])
-            self._pool.submit(self._guard_heal, i, addr)
-        if obs.overdue:
-            i, t = obs.overdue[0]
-            raise ExecutorError(
-                f"cell {i} (worker {self.lost_addr.get(i)}) was lost {t:.0f}s ago and no worker "
-                f"took its place (bound {self.heal_timeout_s:.0f}s); restart a worker or add one"
-            )
-        for g in self.groups.values():
-            late = g.phase in ("rollout", "process") and g.job is not None and now > g.deadline
-            if late and not g.job.done():
-                raise ExecutorError(
-                    f"{g.phase} of group g{g.index} not done {self.job_timeout_s:.0f}s after "
-                    f"it started (its Dask task: {self._describe(g.job)}); check the cells"
-                )
-        self._check_unrunnable(now)
-        if self.step_jobs and self.step_retry is None:
-            bound = self.step_timeout_s + self.heal_timeout_s
-            late = time.time() - self.step_t0 - bound
-            if late > 0 and not all(j.done() for j in self.step_jobs):
-                states = ", ".join(self._describe(j) for j in self.step_jobs)
-                raise ExecutorError(
-                    f"step {self.step_plan.step} not done {bound:.0f}s after it started "
-                    f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
-                )
-        return self._maybe_retry_step(now)
-
-    def _check_unrunnable(self, now: float) -> None:
-        """A rollout or processing task that no live cell can take (Dask's ``no-worker``:
-        no cell holds its resources) for longer than a heal is a fault, not a wait: the
-        run stops and says which, instead of waiting out the task's deadline."""
-        if now - self._unrunnable_checked < UNRUNNABLE_CHECK_S:
-            return
-        self._unrunnable_checked = now
-        keys = {
-            g.index: g.job.key
-            for g in self.groups.values()
-            if g.phase in ("rollout", "process")
-            and g.job is not None
-            and getattr(g.job, "key", None) is not None
-            and not g.job.done()
-        }
-        if not keys:
-            self._no_worker.clear()
-            return
-        try:
-            states = self.cells.task_states(list(keys.values()))
-        except Exception as exc:  # the scheduler is unreachable: say so, look again later
-            log.warning("cannot read the states of the rollout tasks: %s", exc)
-            return
-        waiting = [i for i, k in keys.items() if states.get(k) == "no-worker"]
-        self._no_worker = {i: self._no_worker.get(i, now) for i in waiting}
-        for i, since in self._no_worker.items():
-            if now - since > self.heal_timeout_s:
-                g = self.groups[i]
-                raise ExecutorError(
-                    f"{g.phase} of group g{i}: no cell could run its task for {now - since:.0f}s "
-                    f"(Dask state no-worker; bound cluster.heal_timeout_s="
-                    f"{self.heal_timeout_s:.0f}); cells and roles: {self.cells.roles}"
-                )
-
-    def _describe(self, job: Job) -> str:
-        key = getattr(job, "key", None)
-        if key is None:
-            return "unknown"
-        try:
-            return self.cells.task_state(key)
-        except Exception as exc:
-            return f"unknown ({exc})"
-
-    def _on_lost(self, i: int, addr: str) -> None:
-        """Cell ``i``'s worker ``addr`` is gone: stop routing to it, abort its step, and
-        give the tasks Dask reruns elsewhere a fresh deadline."""
-        self.lost_addr[i] = addr
-        self.stats.cells_lost += 1
-        cid = self.cells.cell_id(addr)
-        log.warning("cell %d (%s, role %s): its worker is gone", i, cid, self.roles[i])
-        self.record(i, "lost", self.roles[i], "its worker process is gone", f"worker {addr}")
-        try:
-            self.gateway.drop_engine(cid)  # sessions re-prefill elsewhere at their next call
-        except Exception as exc:
-            log.warning("dropping the engine of %s: %s", cid, exc)
-        now = time.monotonic()
-        for g in self.groups.values():
-            if g.phase in ("rollout", "process"):
-                g.deadline = max(g.deadline, now + self.job_timeout_s)
-        if self.step_jobs and i in self.step_cells and self.step_retry is None:
-            self._abort_step(f"member cell {cid} was lost")
-
-    def _guard_heal(self, i: int, addr: str) -> None:
-        try:
-            with self._cell_locks[i]:
-                self._heal(i, addr)
-        except Exception as exc:
-            if isinstance(exc, CellLost) or not self._alive(addr):
-                log.warning("cell %d: its new worker %s died too (%s)", i, addr, exc)
-                self.membership.heal_failed(i)
-                return
-            log.exception("healing cell %d failed", i)
-            self._q.put(("error", f"heal of cell {i}", exc))
-
-    def _heal(self, i: int, addr: str) -> None:
-        """Worker ``addr`` takes lost cell ``i``'s place and role (a rollout cell serves the
-        newest weights before the gateway routes to it); a move or load that was under way
-        is finished by the action itself, which waits for this."""
-        old = self.lost_addr[i]
-        self.cells.rebind(old, addr)
-        self.engine_url.pop(i, None)
-        self.engine_version.pop(i, None)
-        self.routed.discard(i)
-        role = self.roles[i]
-        if role == "rollout":
-            self.cells.set_role(addr, "loading")
-            self._serve(i)
-        self.cells.set_role(addr, role if role in ROLES else "idle")
-        if role == "train":
-            self.dp_left = True  # the next step forms a new group with the newcomer
-        self.membership.healed(i)
-        self.record(i, "rejoin", role, f"worker {old} was lost", f"worker {addr}")
-        self._q.put(("healed", i))
-
-    def _abort_step(self, why: str) -> None:
-        """Stop the running step's attempt: cancel members that have not started, and
-        replace the DP rendezvous so members waiting to meet fail at once (members inside
-        a collective fail when their peer's connection closes)."""
-        plan = self.step_plan
-        self.step_retry = (time.monotonic(), why)
-        self.stats.step_retries += 1
-        for j in self.step_jobs:
-            if not j.done():
-                j.cancel()
-        self._dp_store, self.dp_port = host_store(self.dp_host, 0, timeout_s=self.step_timeout_s)
-        log.warning("step %d (attempt %d) aborted: %s", plan.step, self.step_attempt, why)
-        for i in self.step_cells:
-            self.record(i, "step_abort", self.roles[i], why, f"step {plan.step}")
-
-    def _maybe_retry_step(self, now: float) -> list[Event]:
-        """Retry an aborted step once its old members have stopped and its cells are back."""
-        if self.step_retry is None:
-            return []
-        since, why = self.step_retry
-        running = [j for j in self.step_jobs if not j.done()]
-        lost = [i for i in self.step_cells if self.membership.is_lost(i)]
-        if running or lost:
-            bound = self.heal_timeout_s + self.step_timeout_s
-            if now - since > bound:
-                raise ExecutorError(
-                    f"step {self.step_plan.step}: its retry waited {now - since:.0f}s (bound "
-                    f"{bound:.0f}s) for {len(running)} old member(s) to stop and cells {lost} "
-                    "to come back"
-                )
-            return []
-        self.step_retry = None
-        plan = self.step_plan
-        rec = read_commit(self.store, self.run_id, plan.version + 1)
-        if rec is not None and rec.get("step") == plan.step and rec.get("run_id") == self.run_id:
-            roll_forward(self.store, self.run_id)
-            log.warning("step %d had committed before the loss: not trained again", plan.step)
-            row = rec["steps"]
-            metrics = {f"train/{k}": row[k] for k in ("loss", "tokens", "grad_norm", "lag_mean")}
-            metrics["train/reward_mean"] = row["reward"]
-            done = CommittedStep(plan.step, plan.version + 1, row["checkpoint"], metrics)
-            return self._finish_step([done])
-        self.step_attempt += 1
-        if self.step_attempt > self.max_step_retries:
-            raise ExecutorError(
-                f"step {plan.step}: {self.step_attempt} attempts lost members ({why}); giving up"
-            )
-        self.generation += 1
-        self.members, self.dp_left = tuple(self.cell_id(i) for i in self.step_cells), False
-        plan = replace(
-            plan,
-            generation=self.generation,
-            members=self.members,
-            workers=tuple(self.addrs[i] for i in self.step_cells),
-            port=self.dp_port,
-        )
-        for i in self.step_cells:
-            self.record(
-                i, "step", "train", f"retry {self.step_attempt}: {why}",
-                f"step {plan.step} gen {plan.generation}",
-            )  # fmt: skip
-        self._submit_step(plan)
-        return []
 
     def _to_train(self, i: int, t_decided: float, reason: str) -> None:
         addr = self.addrs[i]
@@ -852,23 +602,6 @@ class Executor:
         if self.step_jobs and all(j.done() for j in self.step_jobs):
             return self._finish_step()
         return []
-
-    def _step_cell_lost(self, grace_s: float) -> bool:
-        """Whether a worker of the step's members is gone (the scheduler may learn of a
-        death a little after a surviving member's collective failed on it)."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            if any(self.membership.is_lost(i) for i in self.step_cells):
-                return True
-            try:
-                alive = self.cells.workers()
-            except Exception:
-                alive = set(self.addrs)
-            if any(w not in alive for w in self.step_plan.workers):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.5)
 
     def _finish_step(self, results: list[Any] | None = None) -> list[Event]:
         jobs, plan = self.step_jobs, self.step_plan

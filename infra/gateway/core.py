@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+from typing import Any
 
 import pyarrow.compute as pc
 
@@ -109,6 +110,15 @@ class GatewayCore:
         """Create a session; returns (session id, API key). Thread-safe."""
         s = self.sessions.new(session_id, group_id=group_id, meta=meta)
         return s.session_id, s.key
+
+    def group_sessions(self, group_id: str) -> list[dict[str, Any]]:
+        """The sessions created for ``group_id`` (by any attempt of its rollout task): id,
+        meta, calls and unique tokens so far. Thread-safe (a snapshot)."""
+        return [
+            {"session_id": s.session_id, "meta": dict(s.meta), "calls": s.seq, "tokens": s.tokens}
+            for s in self.sessions.all()
+            if s.group_id == group_id
+        ]
 
     def session_calls(self, s: Session) -> SessionCalls:
         """The session's call index (rebuilt from the store after a gateway restart)."""

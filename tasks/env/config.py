@@ -43,6 +43,14 @@ class RolloutConfig(BaseModel):
     timeout_s: float = Field(
         600.0, ge=1.0, le=7 * 24 * 3600.0, description="a session's wall-clock limit"
     )
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="stop the run, naming the first failures' reasons, when more than this "
+        "fraction of a step's sessions fail (a broken agent or harness: training on nothing "
+        "is no success); 1 = never stop for failures",
+    )
     seed: int = 0
     # last: their checks use the options above (pydantic validates fields in order)
     suite: str = Field(

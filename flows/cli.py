@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 DEFAULT_STORE = "./gyre-data"
 SQL_STORE_RETRY_S = 15.0  # an interactive query waits less for an unreachable store than a run
@@ -88,7 +89,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        if (outage := _store_outage(exc)) is None:
+        if (failed := _cause(exc, _rollouts_failed)) is not None:
+            # the agent is broken (every reason is in the rollouts view): one line
+            print(f"gyre run: {failed}", file=sys.stderr)
+            forget()
+            return 1
+        if (outage := _cause(exc, _is_outage)) is None:
             raise
         # the store stayed unreachable past its bound: one line, not a traceback
         print(f"gyre run: {outage}; continue it with `gyre run --resume {run_id} --store "
@@ -121,14 +127,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _store_outage(exc: BaseException) -> BaseException | None:
-    """The store outage behind ``exc`` (itself, or what caused it), if one is."""
+def _is_outage(e: BaseException) -> bool:
     from storage.store import StoreError
 
+    return isinstance(e, StoreError) and bool(e.outage)
+
+
+def _rollouts_failed(e: BaseException) -> bool:
+    from tasks.rollout import RolloutsFailed
+
+    return isinstance(e, RolloutsFailed)
+
+
+def _cause(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The exception behind ``exc`` (itself, or what caused it) that ``match`` accepts."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, StoreError) and e.outage:
+        if match(e):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__

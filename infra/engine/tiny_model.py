@@ -1,9 +1,12 @@
-"""A tiny Qwen3-architecture checkpoint made locally: random weights, a locally trained tokenizer.
+"""A tiny checkpoint made locally: random weights, a locally trained tokenizer.
 
 Nothing here touches a network. `make_tiny_model()` writes a complete Hugging Face checkpoint
 directory (config, safetensors weights, tokenizer with a Qwen-style chat template) that
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline. It is the
 "baby" model of every test, demo and benchmark: ~100K parameters, deterministic per seed.
+Qwen3 by default; ``arch="llama"`` (SmolLM2's architecture: no q/k norms, ``head_dim`` implied
+by hidden / heads) and ``arch="qwen2"`` (q/k/v biases) make the same model in those families,
+so that what the engine and trainer claim can be tested on each.
 
 The chat template renders each message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, so the
 rendering is prefix-stable: rendering ``messages[:k]`` is a text prefix of rendering
@@ -141,17 +144,24 @@ Thank you! You're welcome. Could you please clarify what you mean? Sure, here is
 """
 
 
-def _default_dir(seed: int) -> Path:
-    return cache_dir() / "models" / f"tiny-qwen3-s{seed}"
+ARCHS = ("qwen3", "llama", "qwen2")
 
 
-def _is_complete(path: Path) -> bool:
-    """Built completely, by this version of the recipe (an older build is rebuilt)."""
+def _default_dir(seed: int, arch: str = "qwen3") -> Path:
+    return cache_dir() / "models" / f"tiny-{arch}-s{seed}"
+
+
+def _is_complete(path: Path, arch: str = "qwen3") -> bool:
+    """Built completely, by this version of the recipe, for `arch` (else it is rebuilt)."""
     try:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
+    return (
+        isinstance(marker, dict)
+        and marker.get("format") == FORMAT_VERSION
+        and marker.get("arch", "qwen3") == arch
+    )
 
 
 def build_tokenizer():
@@ -192,10 +202,14 @@ def build_tokenizer():
 
 
 def _init_weights(config, seed: int) -> dict:
-    """Random Qwen3ForCausalLM weights, initialised the way transformers does it.
+    """Random weights of ``config``'s architecture (qwen3, llama, qwen2), initialised the way
+    transformers does it.
 
     Linear and embedding weights ~ N(0, initializer_range) (the pad row of the embedding is
-    zero), RMSNorm weights 1; ``lm_head`` is tied to the embedding and not stored. Building
+    zero), RMSNorm weights 1; ``lm_head`` is tied to the embedding and not stored. Qwen3's
+    q/k norms and Qwen2's q/k/v biases are there only in their families; the biases are drawn
+    like the weights (transformers zeroes them) so that a model that ignored them would show.
+    Building
     the state dict directly avoids importing the modeling code (~5 s on a loaded 2-core box),
     which keeps `make_tiny_model` fast for tokenizer-only users.
     """
@@ -203,8 +217,10 @@ def _init_weights(config, seed: int) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     std = config.initializer_range
-    h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    h, inter = config.hidden_size, config.intermediate_size
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or h // nh
+    arch = config.model_type
 
     def normal(*shape):
         return torch.empty(shape).normal_(0.0, std, generator=g)
@@ -219,33 +235,52 @@ def _init_weights(config, seed: int) -> dict:
             pre + "self_attn.k_proj.weight": normal(nkv * hd, h),
             pre + "self_attn.v_proj.weight": normal(nkv * hd, h),
             pre + "self_attn.o_proj.weight": normal(h, nh * hd),
-            pre + "self_attn.q_norm.weight": torch.ones(hd),
-            pre + "self_attn.k_norm.weight": torch.ones(hd),
             pre + "mlp.gate_proj.weight": normal(inter, h),
             pre + "mlp.up_proj.weight": normal(inter, h),
             pre + "mlp.down_proj.weight": normal(h, inter),
             pre + "input_layernorm.weight": torch.ones(h),
             pre + "post_attention_layernorm.weight": torch.ones(h),
         }
+        if arch == "qwen3":
+            weights[pre + "self_attn.q_norm.weight"] = torch.ones(hd)
+            weights[pre + "self_attn.k_norm.weight"] = torch.ones(hd)
+        if arch == "qwen2":
+            weights[pre + "self_attn.q_proj.bias"] = normal(nh * hd)
+            weights[pre + "self_attn.k_proj.bias"] = normal(nkv * hd)
+            weights[pre + "self_attn.v_proj.bias"] = normal(nkv * hd)
     weights["model.norm.weight"] = torch.ones(h)
     return weights
 
 
-def _build(out: Path, seed: int) -> None:
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3Config
+def _config(arch: str, **kw):
+    """The tiny shape in `arch`'s config class (head_dim 16 in each)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    tokenizer = build_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
+    shape = dict(
         hidden_size=64,
         intermediate_size=192,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=32768,
-        rope_theta=1_000_000.0,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=16, rope_theta=1_000_000.0, **shape, **kw), "Qwen3ForCausalLM"
+    if arch == "llama":  # as SmolLM2: head_dim implied by hidden / heads, rope_theta 1e5
+        return LlamaConfig(rope_theta=100_000.0, **shape, **kw), "LlamaForCausalLM"
+    if arch == "qwen2":
+        return Qwen2Config(rope_theta=1_000_000.0, **shape, **kw), "Qwen2ForCausalLM"
+    raise ValueError(f"arch={arch!r}: use one of {', '.join(ARCHS)}")
+
+
+def _build(out: Path, seed: int, arch: str = "qwen3") -> None:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer()
+    config, architecture = _config(
+        arch,
+        vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -255,7 +290,7 @@ def _build(out: Path, seed: int) -> None:
         initializer_range=0.2,
         dtype="float32",
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = [architecture]
     config.save_pretrained(out)
     save_file(_init_weights(config, seed), out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)
@@ -264,29 +299,35 @@ def _build(out: Path, seed: int) -> None:
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / _MARKER).write_text(json.dumps({"seed": seed, "format": FORMAT_VERSION}))
+    marker = {"seed": seed, "format": FORMAT_VERSION, "arch": arch}
+    (out / _MARKER).write_text(json.dumps(marker))
 
 
-def make_tiny_model(out_dir: str | os.PathLike | None = None, *, seed: int = 0) -> str:
-    """Return a directory holding the tiny checkpoint for `seed`, building it if needed.
+def make_tiny_model(
+    out_dir: str | os.PathLike | None = None, *, seed: int = 0, arch: str = "qwen3"
+) -> str:
+    """Return a directory holding the tiny checkpoint for `seed` and `arch`, building it if
+    needed.
 
-    Default location: ``$GYRE_CACHE/models/tiny-qwen3-s{seed}`` (GYRE_CACHE defaults to
+    Default location: ``$GYRE_CACHE/models/tiny-{arch}-s{seed}`` (GYRE_CACHE defaults to
     ``~/.cache/gyre``). A complete directory is returned as is. The build happens in a
     temporary sibling directory that is renamed into place, so concurrent callers never see a
     half-written checkpoint (the loser of a race discards its copy).
     """
-    out = Path(out_dir) if out_dir is not None else _default_dir(seed)
-    if _is_complete(out):
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: use one of {', '.join(ARCHS)}")
+    out = Path(out_dir) if out_dir is not None else _default_dir(seed, arch)
+    if _is_complete(out, arch):
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
     try:
-        _build(tmp, seed)
+        _build(tmp, seed, arch)
         try:
             os.rename(tmp, out)  # atomic; also replaces an empty directory
         except OSError:
-            if _is_complete(out):  # another process won the race
+            if _is_complete(out, arch):  # another process won the race
                 return str(out)
             # `out` exists, is not empty and not complete (e.g. a user-made dir with other
             # files): move the files in, the completion marker last.

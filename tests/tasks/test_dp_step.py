@@ -7,7 +7,8 @@ gradients are summed (tasks/train/dp.py) and rank 0 commits the new version. Che
 against a single ``Trainer`` on the same samples in the same order: the reduced gradient
 (so the members' normalisers add up to the batch's and the gradients are summed, not
 averaged), the loss and gradient norm, and the committed weights. The slow join/leave test
-(tests/tasks/test_dp.py) covers membership changes.
+(tests/tasks/test_dp.py) covers membership changes. Run on each architecture family (Qwen3,
+Llama as SmolLM2 with its tied embedding, Qwen2).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tasks.train_step import load_samples, member_step, restore_trainer
 from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.synth import random_session
 from tasks.trajectory.tree import build_trees
-from tests.models import micro_qwen3_config
+from tests.models import ARCHS, micro_config
 
 pytestmark = pytest.mark.integration
 
@@ -66,12 +67,14 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out) -> None:
         out.put((rank, "error", traceback.format_exc(), ""))
 
 
-@pytest.fixture
-def store_with_batch(tmp_path):
+@pytest.fixture(params=ARCHS)
+def store_with_batch(request, tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(micro_qwen3_config(40), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        micro_config(request.param, 40), attn_implementation="sdpa"
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

@@ -6,13 +6,20 @@ import pytest
 
 from infra.engine.engine import Engine
 from infra.engine.kv_transfer import KVFormatError
-from infra.engine.tiny_model import make_tiny_model
+from infra.engine.tiny_model import ARCHS, make_tiny_model
+
+every_arch = pytest.mark.parametrize("dirs", ARCHS, indirect=True)
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ctl")
-    return make_tiny_model(base / "s0", seed=0), make_tiny_model(base / "s1", seed=1)
+def dirs(request, tmp_path_factory):
+    """Two tiny models (seeds 0, 1) of one architecture family (Qwen3 unless parametrized)."""
+    arch = getattr(request, "param", "qwen3")
+    base = tmp_path_factory.mktemp(f"ctl-{arch}")
+    return (
+        make_tiny_model(base / "s0", seed=0, arch=arch),
+        make_tiny_model(base / "s1", seed=1, arch=arch),
+    )
 
 
 @pytest.fixture
@@ -73,6 +80,7 @@ def test_pause_abort_then_continue(engine):
     assert queued.done.wait(30) and len(queued.output_ids) == 5
 
 
+@every_arch
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_pause_keeps_request_and_resumes_identically(engine, mode):
     reference = engine.generate(PROMPT, LONG | {"max_new_tokens": 120})
@@ -92,6 +100,7 @@ def test_pause_keeps_request_and_resumes_identically(engine, mode):
     assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref_lps, strict=True)) <= 1e-4
 
 
+@every_arch
 def test_update_weights_in_flight_and_versions(engine, dirs):
     fresh = Engine(dirs[1], weight_version=7)
     try:
@@ -124,6 +133,7 @@ def test_update_weights_abort_all_and_bad_path(engine, dirs, tmp_path):
     assert engine.weight_version == 3
 
 
+@every_arch
 def test_kv_export_import_continues_identically(dirs):
     src, dst, cold = Engine(dirs[0]), Engine(dirs[0]), Engine(dirs[0])
     try:

@@ -1,16 +1,23 @@
-"""Embedded engine: correctness of logprobs, caching, batching, sampling and stops."""
+"""Embedded engine: correctness of logprobs, caching, batching, sampling and stops.
+
+The exactness tests (logprobs, greedy, prefix cache, batched == serial) run on the tiny model
+of each architecture family (Qwen3, Llama as SmolLM2, Qwen2); the rest on Qwen3.
+"""
 
 import pytest
 import torch
 
 from infra.engine.engine import Engine
 from infra.engine.errors import EngineInputError
-from infra.engine.tiny_model import make_tiny_model
+from infra.engine.tiny_model import ARCHS, make_tiny_model
+
+every_arch = pytest.mark.parametrize("model_dir", ARCHS, indirect=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("engine") / "m", seed=0)
+def model_dir(request, tmp_path_factory):
+    arch = getattr(request, "param", "qwen3")
+    return make_tiny_model(tmp_path_factory.mktemp("engine") / arch, seed=0, arch=arch)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +58,7 @@ def prompt_of(n, start=3):
     return [(start + 7 * i) % 1000 + 5 for i in range(n)]
 
 
+@every_arch
 @pytest.mark.parametrize(
     "params",
     [
@@ -70,6 +78,7 @@ def test_logprobs_match_full_recompute(engine, ref_model, params):
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4
 
 
+@every_arch
 def test_greedy_matches_reference_argmax(engine, ref_model):
     prompt = prompt_of(30, start=11)
     out = engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
@@ -80,6 +89,7 @@ def test_greedy_matches_reference_argmax(engine, ref_model):
     assert out["output_ids"] == ids[len(prompt) :]
 
 
+@every_arch
 def test_prefix_cache_hits_and_does_not_change_output(engine, ref_model):
     engine.flush_cache()
     shared = prompt_of(64, start=5)
@@ -100,6 +110,7 @@ def test_prefix_cache_hits_and_does_not_change_output(engine, ref_model):
     assert d["meta_info"]["cached_tokens"] >= 66 + len(c["output_ids"]) - 1
 
 
+@every_arch
 def test_batched_equals_serial_for_seeded_and_greedy(engine):
     prompts = [prompt_of(20 + 3 * i, start=i) for i in range(12)]
     params = [

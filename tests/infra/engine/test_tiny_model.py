@@ -122,3 +122,38 @@ def test_older_build_is_rebuilt(tmp_path):
     assert make_tiny_model(path) == path
     assert load_file(os.path.join(path, "model.safetensors"))  # rebuilt, loadable
     assert json.loads(marker.read_text())["format"] >= 2
+
+
+@pytest.mark.parametrize(
+    ("arch", "cls", "only_here", "absent"),
+    [
+        ("llama", "LlamaForCausalLM", None, "self_attn.q_norm.weight"),
+        ("qwen2", "Qwen2ForCausalLM", "self_attn.q_proj.bias", "self_attn.q_norm.weight"),
+    ],
+)
+def test_other_architectures_load_completely(tmp_path, model_dir, arch, cls, only_here, absent):
+    """The same tiny model in the Llama (SmolLM2) and Qwen2 families: every weight the
+    architecture has is in the file (none left to random init), none it lacks; same tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / arch, seed=0, arch=arch)
+    cfg = json.loads(Path(path, "config.json").read_text())
+    assert cfg["model_type"] == arch and cfg["architectures"] == [cls]
+    tok = json.loads(Path(model_dir, "tokenizer.json").read_text())
+    vocab = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert cfg["tie_word_embeddings"] is True and cfg["bos_token_id"] is None
+    assert (cfg["eos_token_id"], cfg["pad_token_id"]) == (
+        vocab["<|im_end|>"],
+        vocab["<|endoftext|>"],
+    )
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert type(model).__name__ == cls
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    names = load_file(os.path.join(path, "model.safetensors")).keys()
+    assert not any(n.endswith(absent) for n in names)
+    assert only_here is None or any(n.endswith(only_here) for n in names)
+    assert Path(path, "tokenizer.json").read_text() == Path(model_dir, "tokenizer.json").read_text()
+    assert make_tiny_model(path, arch="qwen3") == path  # another arch's build is rebuilt
+    assert json.loads(Path(path, "config.json").read_text())["model_type"] == "qwen3"
+    with pytest.raises(ValueError, match="arch="):
+        make_tiny_model(tmp_path / "x", arch="gpt2")

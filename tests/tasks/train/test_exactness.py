@@ -9,7 +9,8 @@ k3 KL / entropy terms per branch and token, divided by the per-token mean normal
 tokens summed over branches). Log-probs are those of the distribution sampled from
 (temperature, top-k, top-p renormalised). The project's side is the real path:
 build_trees -> build_samples -> Trainer.loss_and_grads (packing, partitions of large trees,
-tree or dense attention). float64: loss and every parameter gradient agree to ~1e-12.
+tree or dense attention). float64: loss and every parameter gradient agree to ~1e-12, on each
+architecture family (Qwen3, Llama as SmolLM2, Qwen2).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.scoring import Score
 from tasks.trajectory.synth import random_session
 from tasks.trajectory.tree import build_trees
-from tests.models import micro_qwen3_config
+from tests.models import ARCHS, micro_config
 
 VOCAB = 40
 EPS = 1e-6  # the documented advantage epsilon: (R - mean) / (std + 1e-6)
@@ -45,9 +46,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _save_model(path: Path, seed: int) -> str:
+def _save_model(path: Path, seed: int, arch: str) -> str:
     torch.manual_seed(seed)
-    cfg = micro_qwen3_config(VOCAB)
+    cfg = micro_config(arch, VOCAB)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.float64)
     with torch.no_grad():  # logits far from uniform
         for p in model.parameters():
@@ -56,10 +57,11 @@ def _save_model(path: Path, seed: int) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("exact")
-    return _save_model(d / "policy", 0), _save_model(d / "reference", 1)
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dirs(request, tmp_path_factory):
+    arch = request.param
+    d = tmp_path_factory.mktemp(f"exact-{arch}")
+    return _save_model(d / "policy", 0, arch), _save_model(d / "reference", 1, arch)
 
 
 def load(path: str) -> torch.nn.Module:

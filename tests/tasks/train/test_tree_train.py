@@ -1,4 +1,5 @@
-"""Tree-packed training == per-branch flat training (float64), and the Trainer."""
+"""Tree-packed training == per-branch flat training (float64, and float32 within 1e-4), on each
+architecture family (Qwen3, Llama as SmolLM2, Qwen2), and the Trainer."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tasks.train.trainer import (
 from tasks.trajectory.sampler import Sample, build_samples, group_advantages
 from tasks.trajectory.synth import random_session, reference_paths
 from tasks.trajectory.tree import POLICY, build_trees
-from tests.models import micro_qwen3_config
+from tests.models import ARCHS, micro_config
 
 VOCAB = 40
 
@@ -37,14 +38,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_model(dtype=torch.float64, seed=0):
+def tiny_model(dtype=torch.float64, seed=0, arch="qwen3"):
     torch.manual_seed(seed)
-    cfg = micro_qwen3_config(VOCAB)
+    cfg = micro_config(arch, VOCAB)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
     if dtype == torch.float64:
-        assert (
-            keep_norms_in_fp64(model) == 2 * 2 + 2 * 2 + 1
-        )  # per layer: 2 norms + q/k norms; final
+        # per layer: 2 norms (+ q/k norms in Qwen3); the final norm
+        qk = 2 if arch == "qwen3" else 0
+        assert keep_norms_in_fp64(model) == 2 * (2 + qk) + 1
     with torch.no_grad():  # larger weights than the init: logits far from uniform
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -140,23 +141,9 @@ def session(seed, sid, n_calls=10):
     return recs, spans
 
 
-@pytest.mark.parametrize(
-    ("loss", "seed", "attention"),
-    [
-        ("ppo_clip", 0, "tree"),
-        ("grpo", 0, "tree"),
-        ("ppo_clip", 1, "tree_block3"),
-        ("ppo_clip", 1, "dense"),
-        ("grpo", 2, "dense"),
-    ],
-)
-def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
-    """Random branching sessions (shared prefixes, retries, resets, duplicates, tool
-    spans) in one group: tree loss and every parameter gradient match flat."""
-    if attention == "tree_block3":  # long chains cut into query blocks of 3
-        monkeypatch.setattr(tree_attention, "BLOCK", 3)
-        attention = "tree"
-    model = tiny_model(seed=seed)
+def one_group(seed):
+    """Three random branching sessions (shared prefixes, retries, resets, duplicates, tool
+    spans) in one group: (trees, tree samples, the flat reference branches, rewards, groups)."""
     sessions = {f"s{i}": session(100 * seed + i, f"s{i}") for i in range(3)}
     n_dup = n_reset = n_tool = 0
     for recs, sp in sessions.values():
@@ -177,12 +164,36 @@ def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
     branches = [
         b for sid, (recs, sp) in sessions.items() for b in flat_branches(recs, sp, adv[sid], sid)
     ]
+    return trees, samples, branches, rewards, groups
+
+
+def max_tokens_partitioning(samples) -> int:
+    """A small budget: the largest tree is partitioned, repeating only its ancestor path."""
+    return max(s.n_tokens for s in samples) // 2 + max(int(s.positions.max()) for s in samples) + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("loss", "seed", "attention"),
+    [
+        ("ppo_clip", 0, "tree"),
+        ("grpo", 0, "tree"),
+        ("ppo_clip", 1, "tree_block3"),
+        ("ppo_clip", 1, "dense"),
+        ("grpo", 2, "dense"),
+    ],
+)
+def test_tree_equals_flat_fp64(loss, seed, attention, arch, monkeypatch):
+    """Random branching sessions (shared prefixes, retries, resets, duplicates, tool
+    spans) in one group: tree loss and every parameter gradient match flat."""
+    if attention == "tree_block3":  # long chains cut into query blocks of 3
+        monkeypatch.setattr(tree_attention, "BLOCK", 3)
+        attention = "tree"
+    model = tiny_model(seed=seed, arch=arch)
+    trees, samples, branches, rewards, groups = one_group(seed)
     assert sum(s.n_flat_tokens for s in samples) == sum(b.n_tokens for b in branches)
     cfg = LossConfig(loss, 0.2, 0.28)
-    # small budget: the largest tree is partitioned, repeating only its ancestor path
-    max_tokens = (
-        max(s.n_tokens for s in samples) // 2 + max(int(s.positions.max()) for s in samples) + 1
-    )
+    max_tokens = max_tokens_partitioning(samples)
     dl, dg, scale, tm, _ = compare(model, samples, branches, cfg, max_tokens, attention=attention)
     assert tm["micro_batches"] >= 2
     assert 0.05 < tm["clip_fraction"] < 0.95, (
@@ -201,10 +212,25 @@ def test_tree_equals_flat_fp64(loss, seed, attention, monkeypatch):
     assert abs(a["loss"] - b["loss"]) <= 1e-12
 
 
-def test_tree_equals_flat_with_stale_tokens_truncated_is():
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attention", ["tree", "dense"])
+def test_tree_equals_flat_fp32(arch, attention):
+    """As a user trains: float32 with transformers' own norms. Tree loss and gradients within
+    1e-4 relative of flat (here ~1e-7: only the summation order differs)."""
+    model = tiny_model(torch.float32, seed=0, arch=arch)
+    _, samples, branches, _, _ = one_group(0)
+    cfg = LossConfig("ppo_clip", 0.2, 0.28)
+    max_tokens = max_tokens_partitioning(samples)
+    dl, dg, scale, tm, fm = compare(model, samples, branches, cfg, max_tokens, attention=attention)
+    assert tm["micro_batches"] >= 2 and scale > 1e-3
+    assert dl <= 1e-4 * abs(fm["loss"]) and dg <= 1e-4 * scale, (dl, fm["loss"], dg, scale)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_equals_flat_with_stale_tokens_truncated_is(arch):
     """Both signs of advantage reach the truncated-IS tokens (a rollout above and one below
     its group's mean)."""
-    model = tiny_model(seed=3)
+    model = tiny_model(seed=3, arch=arch)
     (ra, sa), (rb, sb) = session(7, "s0", n_calls=12), session(8, "s1", n_calls=12)
     trees = build_trees(ra + rb, spans=sa | sb)
     rewards, groups = {"s0": 1.0, "s1": 0.0}, {"s0": "g", "s1": "g"}
@@ -219,10 +245,11 @@ def test_tree_equals_flat_with_stale_tokens_truncated_is():
     assert dl <= 1e-12 and dg <= 1e-12 and scale > 1e-3
 
 
-def test_ancestor_mask_reaches_attention():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ancestor_mask_reaches_attention(arch):
     """Packed logits of a branching tree equal each branch's own causal logits, and a
     forward without the mask (plain causal over the packed order) does not."""
-    model = tiny_model()
+    model = tiny_model(arch=arch)
     recs = [
         TitoRecord("run", "s", "a", 0, None, 0, [1, 2, 3], [4, 5], [-1.0, -1.0], 0),
         TitoRecord("run", "s", "b", 1, "a", 3, [6, 7], [8, 9], [-1.0, -1.0], 0),
@@ -254,9 +281,11 @@ def test_ancestor_mask_reaches_attention():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_model(torch.float32).save_pretrained(d)
+def model_dir(request, tmp_path_factory) -> Path:
+    """A saved float32 micro model (Qwen3 unless parametrized with an architecture)."""
+    arch = getattr(request, "param", "qwen3")
+    d = tmp_path_factory.mktemp(f"tiny-{arch}")
+    tiny_model(torch.float32, arch=arch).save_pretrained(d)
     (d / "tokenizer.json").write_text('{"version": "1.0"}')
     (d / "tokenizer_config.json").write_text("{}")
     return d
@@ -271,6 +300,7 @@ def train_samples(seed=0):
     )
 
 
+@pytest.mark.parametrize("model_dir", ARCHS, indirect=True)
 def test_trainer_step_metrics_and_learning(model_dir):
     tr = Trainer(str(model_dir), lr=1e-2, max_tokens_per_micro=128)
     samples = train_samples()
@@ -292,6 +322,7 @@ def test_trainer_step_metrics_and_learning(model_dir):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("model_dir", ARCHS, indirect=True)
 def test_trainer_save_load_resumes_exactly(model_dir, tmp_path):
     samples = train_samples(1)
     a = Trainer(str(model_dir), lr=1e-3, seed=1)

@@ -138,6 +138,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.model, self.tokenizer = self._load(self.model_dir)
         cfg = self.model.config.get_text_config(decoder=True)
+        self.model_type = str(getattr(cfg, "model_type", "") or "")  # qwen3, llama, qwen2, ...
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -346,17 +347,21 @@ class Engine:
             return {"success": False, "message": f"failed to load {model_path}: {e}"}
         cfg = model.config.get_text_config(decoder=True)
         shape = (
+            str(getattr(cfg, "model_type", "") or ""),
             cfg.num_hidden_layers,
             getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             cfg.vocab_size,
         )
-        mine = (self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size)
+        # the family too: two families of one shape (a Qwen3 and a Llama) compute different
+        # things, so in-flight requests' KV (and the cache, without a flush) would be wrong
+        mine = (self.model_type, self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size)
         if shape != mine:
             return {
                 "success": False,
-                "message": f"{model_path}: (layers, kv heads, head dim, vocab) = {shape} differ "
-                f"from the served model's {mine}; weights must fit the same architecture",
+                "message": f"{model_path}: (model type, layers, kv heads, head dim, vocab) = "
+                f"{shape} differ from the served model's {mine}; weights must fit the same "
+                "architecture",
             }
         if weight_version is None:
             version = self._weight_version + 1
@@ -489,6 +494,7 @@ class Engine:
 
     def _kv_meta(self) -> dict:
         return {
+            "model_type": self.model_type,
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,

@@ -1,9 +1,9 @@
 """Serialized KV of a token prefix: gyre's KV migration between engines.
 
 A blob is a safetensors file with two tensors, ``input_ids`` (int64, (n,)) and ``kv``
-(``(L, 2, H_kv, n, D)``, the engine dtype), and string metadata naming the model shape and the
-weight version that computed it. The importer checks the shape before inserting the prefix
-into its radix cache; the weight version is informative (KV from older weights is still valid
+(``(L, 2, H_kv, n, D)``, the engine dtype), and string metadata naming the model family
+(``model_type``), its shape and the weight version that computed it. The importer checks the
+family and shape before inserting the prefix into its radix cache; the weight version is informative (KV from older weights is still valid
 as a cache, just stale, exactly like a radix entry that survived a reload without a flush).
 """
 
@@ -54,7 +54,13 @@ def _metadata(blob: bytes) -> dict:
 
 
 def check_compatible(meta: dict, mine: dict) -> None:
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
+    """Refuse KV of another model architecture: another shape, or another family of the same
+    shape (``model_type``: a Qwen3 and a Llama can share every KV dimension). A blob written
+    before ``model_type`` was recorded is checked on its shape only."""
+    keys = ["num_layers", "num_kv_heads", "head_dim"]
+    if meta.get("model_type") and mine.get("model_type"):
+        keys.insert(0, "model_type")
+    for key in keys:
         if meta.get(key) != mine.get(key):
             raise KVFormatError(
                 f"KV blob {key}={meta.get(key)} but this engine has {mine.get(key)}: "

@@ -197,3 +197,33 @@ def test_closed_engine_refuses_work(dirs):
         eng.submit(PROMPT, {})
     with pytest.raises(RuntimeError, match="closed"):
         eng.flush_cache()
+
+
+def test_another_architecture_of_the_same_shape_is_refused(dirs, tmp_path):
+    """The tiny Qwen3 and Llama have the same KV and weight shapes (2 layers, 2 KV heads,
+    head_dim 16, same vocab) but compute different things: Qwen3 KV imported into a Llama
+    engine, or Qwen3 weights hot-loaded under a running Llama's KV, would be silently wrong."""
+    llama = make_tiny_model(tmp_path / "llama", seed=0, arch="llama")
+    src, dst = Engine(dirs[0]), Engine(llama)
+    try:
+        assert src._kv_meta()["num_kv_heads"] == dst._kv_meta()["num_kv_heads"]
+        assert src._kv_meta()["head_dim"] == dst._kv_meta()["head_dim"]
+        src.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0})
+        blob = src.export_kv(PROMPT)
+        with pytest.raises(KVFormatError, match="model_type"):
+            dst.import_kv(blob)
+        assert dst.load()["radix_tokens"] == 0
+        res = dst.update_weights_from_disk(dirs[0], 5)
+        assert res["success"] is False and "qwen3" in res["message"], res
+        assert dst.weight_version == 0 and type(dst.model).__name__ == "LlamaForCausalLM"
+        # the same family still moves both ways
+        again = Engine(llama)
+        try:
+            dst.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0})
+            assert again.import_kv(dst.export_kv(PROMPT)) == len(PROMPT)
+            assert again.update_weights_from_disk(llama, 1)["success"]
+        finally:
+            again.close()
+    finally:
+        src.close()
+        dst.close()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from infra.engine.tiny_model import ARCHS
 from tasks.train.logprobs import SamplingDist, SamplingDistError, token_logprobs
 
 
@@ -90,12 +91,15 @@ def test_bad_settings_are_named():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(request, tmp_path_factory):
+    """The tiny model (Qwen3 unless parametrized with another architecture family)."""
     from infra.engine.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+    arch = getattr(request, "param", "qwen3")
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / arch, seed=0, arch=arch)
 
 
+@pytest.mark.parametrize("tiny_dir", ARCHS, indirect=True)
 def test_engine_and_trainer_logprobs_agree_at_temperature_and_top_p(tiny_dir):
     """Generate at temperature 0.7, top_p 0.9 with the embedded engine; the trainer (same
     weights, same processing) scores the same tokens: every ratio is 1 to ~1e-4. Scored at

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from infra.engine.tiny_model import ARCHS
 from infra.gateway.chat import ChatTokenizer, normalize_messages
 from tasks.train.sft import SftError, tokenize_conversation, warm_start
 
@@ -67,10 +68,12 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(request, tmp_path_factory):
+    """The tiny model (Qwen3 unless parametrized with another architecture family)."""
     from infra.engine.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("sft") / "m", seed=0)
+    arch = getattr(request, "param", "qwen3")
+    return make_tiny_model(tmp_path_factory.mktemp("sft") / arch, seed=0, arch=arch)
 
 
 def split(conv):
@@ -147,6 +150,7 @@ def mean_assistant_logprob(model_dir, conversations):
     return total / n, n
 
 
+@pytest.mark.parametrize("tiny_dir", ARCHS, indirect=True)
 def test_warm_start_lowers_the_loss_and_raises_the_assistant_tokens(tiny_dir, tmp_path):
     before, n = mean_assistant_logprob(tiny_dir, CONVERSATIONS)
     res = warm_start(

@@ -3,8 +3,9 @@
 The tiny model in the Llama family (SmolLM2's architecture: no q/k norms, head_dim implied,
 tied embedding) as ``model.path``: a real two-step run (Prefect flow, LocalCluster cells,
 engines, gateway, trainer) publishes it as version 0, trains, checkpoints and syncs the new
-weights to the engines, and evaluates held-out tasks on each version. Checked through what a
-user sees: the ``steps``, ``tito`` and ``evals`` views and the run's checkpoints.
+weights to the engines (each load checked against the trainer's weights digest), evaluates
+held-out tasks on each version, and exports. Checked through what a user sees: the ``steps``,
+``tito`` and ``evals`` views, the run's checkpoints and ``gyre export``'s rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from flows.export import export_run
 from infra.engine.tiny_model import make_tiny_model
 from storage.checkpoints import fetch_checkpoint, read_digest
 from storage.sql import query
@@ -56,3 +58,6 @@ def test_a_run_trains_and_serves_a_local_llama_checkpoint(prefect_harness, tmp_p
     assert [r["v"] for r in served][:2] == [0, 1]
     evals = query(st, "SELECT DISTINCT version FROM evals ORDER BY 1").to_pylist()
     assert [r["version"] for r in evals] == [0, 1, 2]
+    # the trajectories export as flat rows of this model's token ids
+    n = export_run(st, "llama", str(tmp_path / "llama.parquet"))
+    assert n > 0 and (tmp_path / "llama.parquet").stat().st_size > 0

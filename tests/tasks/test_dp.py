@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tasks.train import dp
-from tests.models import micro_qwen3_config
+from tests.models import micro_config
 
 pytestmark = pytest.mark.integration
 
@@ -35,11 +35,11 @@ LR = 1e-5
 TOL = 1e-6
 
 
-def _model_dir(root: Path) -> str:
+def _model_dir(root: Path, arch: str = "qwen3") -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = micro_qwen3_config(40)
+    cfg = micro_config(arch, 40)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     with torch.no_grad():
         for p in model.parameters():
@@ -122,8 +122,9 @@ def test_shard_is_balanced_deterministic_and_complete():
 
 
 @pytest.mark.slow
-def test_k_members_equal_one_across_join_and_leave(tmp_path):
-    model_dir = _model_dir(tmp_path)
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # llama: a tied embedding is broadcast
+def test_k_members_equal_one_across_join_and_leave(tmp_path, arch):
+    model_dir = _model_dir(tmp_path, arch)
     store, port = dp.host_store("127.0.0.1")
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()

@@ -29,9 +29,11 @@ def micro_qwen3_config(vocab_size: int) -> Qwen3Config:
 
 
 def micro_llama_config(vocab_size: int) -> LlamaConfig:
-    """SmolLM2-135M's layout in miniature: GQA, tied embeddings, rope_theta 1e5."""
+    """SmolLM2-135M's layout in miniature: 3 query heads per KV head (its 9 / 3), head_dim
+    implied (48 / 6 = 8), tied embeddings, rope_theta 1e5."""
+    shape = _SHAPE | {"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 6}
     return LlamaConfig(
-        vocab_size=vocab_size, tie_word_embeddings=True, rope_theta=100_000.0, **_SHAPE
+        vocab_size=vocab_size, tie_word_embeddings=True, rope_theta=100_000.0, **shape
     )
 
 

@@ -34,6 +34,7 @@ from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, start_cells
+from infra.engine.pretrained import prepare
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.checkpoints import publish_checkpoint
@@ -148,7 +149,12 @@ def _run(
     """The run's body, while this process holds the run's lease."""
     logger = get_run_logger()
     t0 = time.monotonic()
-    model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
+    model_dir = (
+        cfg.model.path
+        or (prepare(cfg.model.name, say=logger.info) if cfg.model.name else None)
+        or warm_start_for(cfg)
+        or make_tiny_model(seed=cfg.model.seed)
+    )
     spool = spool_dir(st.url, run_id)
     point = resume_point(st, run_id, _journal_groups(spool))
     if point.fresh:

@@ -144,6 +144,8 @@ def convert_gguf(
     t0 = time.monotonic()
     say(f"reading the tokenizer from {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if (pre := _pre_tokenizer(gguf)) is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre
     say(f"dequantizing the weights ({gguf.stat().st_size / 1e6:.0f} MB GGUF; {_since(t0)})")
     loaded = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -186,6 +188,30 @@ def convert_gguf(
     }
 
 
+# llama.cpp's pre-tokenizer types that split every digit first, then GPT-2's regex
+# (llama-vocab.cpp); transformers' GGUF reader knows none of them
+_DIGITS_FIRST = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"})
+
+
+def _pre_tokenizer(gguf: Path):
+    """The pre-tokenizer the GGUF's ``tokenizer.ggml.pre`` names where transformers' reader
+    leaves it out (it keeps only the byte-level split), else None. SmolLM's splits digits
+    one by one first (llama.cpp's ``smollm`` type, the Hugging Face original's ``Digits``):
+    without it, spaces or newlines before a number tokenize differently from the original."""
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
+
+    field = GGUFReader(gguf).fields.get("tokenizer.ggml.pre")
+    if field is None or field.contents() not in _DIGITS_FIRST:
+        return None
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
+
 def prepare(
     name: str = SMOLLM2.name,
     out_dir: str | os.PathLike | None = None,
@@ -193,27 +219,42 @@ def prepare(
     force: bool = False,
     say: Callable[[str], None] = print,
 ) -> str:
-    """The directory of ``name`` prepared as a Hugging Face checkpoint, made if needed.
-
-    Default location: `model_dir` (``$GYRE_CACHE/models/{name}``). A complete directory is
-    returned as is (unless ``force``). The checkpoint is written into a temporary sibling
-    that is renamed into place, the completion marker last, so that an interrupted or
-    concurrent prepare never leaves or sees a half-written checkpoint."""
+    """The directory of ``name`` prepared as a Hugging Face checkpoint, made if needed, in
+    `model_dir` (``$GYRE_CACHE/models/{name}``) unless ``out_dir`` says where."""
     m = lookup(name)
     out = Path(out_dir).expanduser() if out_dir is not None else model_dir(m.name)
     if is_complete(out) and not force:
+        return str(out)  # usable even if its package has gone since
+    return prepare_gguf(gguf_file(m.name), out, name=m.name, force=force, say=say)
+
+
+def prepare_gguf(
+    gguf: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    name: str | None = None,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+) -> str:
+    """``out_dir`` holding the GGUF checkpoint ``gguf`` as a Hugging Face checkpoint.
+
+    A complete directory is returned as is (unless ``force``). The checkpoint is written
+    into a temporary sibling that is renamed into place, the completion marker last, so
+    that an interrupted or concurrent prepare never leaves or sees a half-written one."""
+    gguf, out = Path(gguf), Path(out_dir).expanduser()
+    if is_complete(out) and not force:
         return str(out)
-    gguf = gguf_file(m.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+    old = tmp.with_name(tmp.name + "-old")
     t0 = time.monotonic()
     try:
         facts = convert_gguf(gguf, tmp, say=say)
-        marker = {"format": FORMAT_VERSION, "name": m.name, "source": str(gguf), **facts}
+        marker = {"format": FORMAT_VERSION, "name": name, "source": str(gguf), **facts}
         (tmp / _MARKER).write_text(json.dumps(marker))
-        if force and out.exists():  # the old copy moved aside, never a moment with none
-            os.rename(out, tmp.with_name(tmp.name + "-old"))
+        if force and out.exists():  # the old copy moved aside: never a moment with none
+            os.rename(out, old)
         try:
             os.rename(tmp, out)  # atomic; also replaces an empty directory
         except OSError:
@@ -225,8 +266,8 @@ def prepare(
             # else another process won the race: its copy is as good as this one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp.with_name(tmp.name + "-old"), ignore_errors=True)
-    say(f"prepared {m.name} in {_since(t0)}")
+        shutil.rmtree(old, ignore_errors=True)
+    say(f"prepared {name or gguf.name} in {_since(t0)}")
     return str(out)
 
 

@@ -217,7 +217,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     except PretrainedError as exc:
         say(str(exc))
         return 2
-    say(f"use it:  gyre serve --model {path}   or   gyre run model.path={path} ...")
+    say(f"use it:  gyre serve --model {path}")
+    say(f"         gyre run model.path={path} ...   (or model.name={lookup(args.name).name})")
     print(path)
     return 0
 

@@ -7,6 +7,7 @@
     gyre session new [--url URL] [--admin-token TOKEN] [--port N]
     gyre export RUN_ID [--store URL] --out FILE [--format parquet]
     gyre warmstart --suite tools [--difficulty N] [--steps N] [--out DIR] ...
+    gyre model prepare smollm2 [--out DIR] [--force]
 
 Heavy imports (prefect, torch) happen inside the sub-commands, after the
 environment below is set, so ``gyre sql`` stays fast.
@@ -18,6 +19,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 DEFAULT_STORE = "./gyre-data"
 SQL_STORE_RETRY_S = 15.0  # an interactive query waits less for an unreachable store than a run
@@ -197,6 +199,30 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return main_warmstart(args)
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    """Prepare a pretrained model as a local checkpoint; its directory on stdout (so that
+    ``gyre serve --model "$(gyre model prepare smollm2)"`` works), progress on stderr."""
+    from infra.engine.pretrained import PretrainedError, is_complete, lookup, model_dir, prepare
+
+    def say(line: str) -> None:
+        print(f"gyre model: {line}", file=sys.stderr, flush=True)
+
+    out = args.out or model_dir(args.name)
+    if is_complete(Path(out).expanduser()) and not args.force:
+        say(f"{lookup(args.name).name} is prepared (--force to remake it)")
+    else:
+        say(f"preparing {lookup(args.name).name} (about half a minute on 2 cores)")
+    try:
+        path = prepare(args.name, out, force=args.force, say=say)
+    except PretrainedError as exc:
+        say(str(exc))
+        return 2
+    say(f"use it:  gyre serve --model {path}")
+    say(f"         gyre run model.path={path} ...   (or model.name={lookup(args.name).name})")
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flows.config import PRESETS  # pure and light: pydantic + the section models
 
@@ -261,6 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--out", help="checkpoint dir (default: the cache, reused when it exists)")
     w.add_argument("--force", action="store_true", help="rebuild even if it exists")
     w.set_defaults(fn=cmd_warmstart)
+
+    from infra.engine.pretrained import ALIASES, NAMES
+
+    m = sub.add_parser("model", help="pretrained models as local checkpoints (no network)")
+    m.add_argument("action", choices=["prepare"])
+    m.add_argument("name", choices=sorted([*NAMES, *ALIASES]), help="the model (smollm2)")
+    m.add_argument("--out", help="checkpoint dir (default: the model cache, reused when made)")
+    m.add_argument("--force", action="store_true", help="remake it even if it exists")
+    m.set_defaults(fn=cmd_model)
 
     n = sub.add_parser("session", help="sessions of a running `gyre serve`")
     n.add_argument("action", choices=["new"])

@@ -3,7 +3,7 @@
 ``load_config`` checks a run config on its own (types, ranges, names); this checks
 it against the machine and the network: the store is reachable and writable (its
 bucket exists), the gateway's port is free, an external Dask scheduler answers with a
-worker per cell, and ``model.path`` is a checkpoint. Every problem is reported at once,
+worker per cell, ``model.path`` is a checkpoint and ``model.name`` can be prepared. Every problem is reported at once,
 as a `flows.config.ConfigError`, each naming the setting, the value, and the fix;
 `checked` adds them to the errors of a config that has some.
 """
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flows.config import WORLD_KEYS, ConfigError, RunConfig
+from infra.engine.pretrained import problem as pretrained_problem
 
 PROBE_TIMEOUT_S = 10.0
 WORKERS_WAIT_S = 15.0  # an external scheduler's workers may still be joining
@@ -154,6 +155,12 @@ def preflight(cfg: RunConfig, *, only: frozenset[str] | None = None, create: boo
             f"model.path={cfg.model.path!r}: {why}; give a Hugging Face checkpoint directory "
             "or leave it unset for the tiny model"
         )
+    if (
+        wanted("model.name")
+        and cfg.model.name is not None
+        and (why := pretrained_problem(cfg.model.name)) is not None
+    ):
+        problems.append(f"model.name={cfg.model.name!r}: {why}")
     if problems:
         raise ConfigError(problems)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from prefect import flow
@@ -34,6 +35,7 @@ from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, start_cells
+from infra.engine.pretrained import prepare
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
 from storage.checkpoints import publish_checkpoint
@@ -142,13 +144,23 @@ def rl_run(
         return _run(cfg, st, run_id, preset, resume, more_steps)
 
 
+def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
+    """The checkpoint a run starts from: ``model.path``; the pretrained ``model.name``
+    (prepared on first use); the warm start; else the tiny model."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    if cfg.model.name is not None:
+        return prepare(cfg.model.name, say=say)
+    return warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
+
+
 def _run(
     cfg: RunConfig, st: Store, run_id: str, preset: str | None, resume: bool, more_steps: int | None
 ) -> dict[str, Any]:
     """The run's body, while this process holds the run's lease."""
     logger = get_run_logger()
     t0 = time.monotonic()
-    model_dir = cfg.model.path or warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
+    model_dir = model_dir_of(cfg, say=logger.info)
     spool = spool_dir(st.url, run_id)
     point = resume_point(st, run_id, _journal_groups(spool))
     if point.fresh:

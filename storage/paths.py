@@ -3,7 +3,8 @@
 ``GYRE_CACHE`` (default ``~/.cache/gyre``) is the one environment variable that
 places them; it is read here and nowhere else:
 
-- ``models/``  the tiny model and tokenizer, made locally on first use;
+- ``models/``  the tiny model and tokenizer, and prepared pretrained models
+  (``gyre model prepare``), made locally on first use;
 - ``spool/<store-key>/<run_id>/``  a run's gateway write-ahead log and session-key
   journal, one per store and run (replayed into the store by the next gateway opened
   on it: ``gyre serve`` or ``gyre run`` with the same store and run id);

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.engine.pretrained import NAMES, PretrainedError, lookup
 
 
 class ModelConfig(BaseModel):
@@ -11,7 +13,12 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     path: str | None = Field(
-        None, description="local HF checkpoint dir; None = tiny Qwen3 made here"
+        None, description="local HF checkpoint dir; None = tiny Qwen3 made here (or model.name)"
+    )
+    name: str | None = Field(
+        None,
+        description=f"a pretrained model gyre prepares itself ({', '.join(NAMES)}): its "
+        "checkpoint in the model cache, made on first use (`gyre model prepare`)",
     )
     seed: int = 0
     max_batch_size: int = Field(16, ge=1)
@@ -21,3 +28,21 @@ class ModelConfig(BaseModel):
         description="each engine appends every request it receives (rid, input ids) to "
         "{audit_dir}/{cell_id}.jsonl, to audit token exactness against TITO",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        try:
+            return lookup(v).name  # an alias (smollm2) stands for its model
+        except PretrainedError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _one_model(self) -> ModelConfig:
+        if self.path is not None and self.name is not None:
+            raise ValueError(
+                f"model.path={self.path!r} and model.name={self.name!r}: give one of them"
+            )
+        return self

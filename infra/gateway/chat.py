@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import uuid
 from typing import Any
@@ -53,6 +54,9 @@ __all__ = [
     "reply_key",
     "template_messages",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 def _canon(obj: Any) -> bytes:
@@ -101,6 +105,14 @@ class ChatTokenizer:
         self._heads: dict[bytes, str] = {}  # rendered system turn (+ tools) of probes
         # what the template cannot show (tools, tool calls, ...) is rewritten before it renders
         self.shows = TemplateTools.probe(self._render_template)
+        if self.shows.mode != "template":
+            log.info(
+                "the chat template in %s has no tool section: tools are %s",
+                tokenizer_dir,
+                "rendered in gyre's system-prompt format"
+                if self.shows.mode == "system-prompt"
+                else "refused (400): it has no system turn either",
+            )
         self.fast_suffix = False
         self.message_local = self._check_message_local()
 
@@ -320,7 +332,7 @@ def parse_output(text: str) -> tuple[str | None, list[dict]]:
     """Model text -> (content, OpenAI tool_calls). Malformed tool-call blocks -> plain content.
 
     A block holds one ``{"name": ..., "arguments": ...}`` object, or a non-empty JSON list of
-    them (the format SmolLM2 was tuned on).
+    them (as SmolLM2's own function-calling prompt asks).
 
     Content is the text outside ``<tool_call>...</tool_call>`` blocks: the text before the
     first block (trailing whitespace removed) then any non-blank text between/after blocks.

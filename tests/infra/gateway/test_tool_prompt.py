@@ -222,7 +222,7 @@ def _multi_turn_exact(tok: ChatTokenizer, system: list[dict]) -> None:
     assert inp2.input_ids.tolist()[: len(ctx1)] == ctx1  # the generated ids, as generated
     assert inp2.prefix_len == len(ctx1)
     suffix = tok.decode(inp2.new_input_ids)
-    assert suffix.startswith("\n") and "tool\n42" in suffix and "system" not in suffix
+    assert suffix.startswith("\n") and "42" in suffix and "system" not in suffix
     out2 = _generated(tok, "17 + 25 = 42.")
     content2, _ = _add(tok, calls, "r2", 1, inp2, out2)
     m3 = [*m2, {"role": "assistant", "content": content2}, {"role": "user", "content": "Thanks"}]
@@ -239,6 +239,28 @@ def _multi_turn_exact(tok: ChatTokenizer, system: list[dict]) -> None:
 @pytest.mark.parametrize("system", [[], [{"role": "system", "content": "Be brief."}]])
 def test_multi_turn_with_tools_is_token_exact(smol, system):
     _multi_turn_exact(smol, system)
+
+
+def test_tool_results_on_a_template_without_a_tool_role(tmp_path):
+    """Tool turns the template rejects become one user turn of <tool_response> blocks."""
+    template = SMOL_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['role'] not in ['system', 'user', "
+        "'assistant'] %}{{ raise_exception('Unknown role') }}{% endif %}",
+    )
+    tok = ChatTokenizer(tokenizer_with_template(tmp_path, template))
+    assert not tok.shows.shows_tool_turns and tok.shows.mode == "system-prompt"
+    content, tcs = parse_output(CALL + "\n" + CALL.replace("17", "1"))
+    msgs = [
+        {"role": "user", "content": "Add."},
+        {"role": "assistant", "content": content, "tool_calls": tcs},
+        {"role": "tool", "tool_call_id": tcs[0]["id"], "content": "42"},
+        {"role": "tool", "tool_call_id": tcs[1]["id"], "content": "26"},
+    ]
+    text = tok.render(normalize_messages(msgs), TOOLS, True)
+    results = "<tool_response>\n42\n</tool_response>\n<tool_response>\n26\n</tool_response>"
+    assert f"<|im_start|>user\n{results}<|im_end|>\n<|im_start|>assistant\n" in text
+    _multi_turn_exact(tok, [])
 
 
 def test_default_system_prompt_over_turns_without_tools(smol):

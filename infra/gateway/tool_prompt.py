@@ -55,7 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TemplateTools", "inline_tool_calls", "tool_section"]
+__all__ = ["TemplateTools", "ToolsNotShown", "content_text", "inline_tool_calls", "tool_section"]
 
 Render = Callable[[list[dict], "list | None", bool], str]
 

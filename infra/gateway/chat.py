@@ -12,6 +12,10 @@ earlier call (delta-encoded like its TITO record) and, for a new chat call:
 * **branch**: otherwise (rollback, summarised context, sub-agent) the whole conversation is
   templated; the record shares the longest common token prefix with the best earlier call.
 
+Tools, tool calls and tool turns a template cannot show (SmolLM2's has no tool section) are
+rewritten into gyre's one format before it renders (`infra.gateway.tool_prompt`), inside
+``ChatTokenizer.render``: every path above sees the same rendering.
+
 Parent selection for every call (chat, completions, generate): the earlier call of the session
 whose input + output shares the longest token prefix with the new input (`infra.gateway.call_index`).
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import uuid
 from typing import Any
@@ -31,6 +36,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, digest
+from infra.gateway.tool_prompt import TemplateTools, ToolsNotShown
 from infra.gateway.wire import ChatMessage, validation_error
 
 __all__ = [
@@ -50,6 +56,9 @@ __all__ = [
 ]
 
 
+log = logging.getLogger(__name__)
+
+
 def _canon(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
@@ -58,7 +67,12 @@ _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class ChatInputError(ValueError):
-    """The messages (or tools) cannot be rendered: a 400 for the harness."""
+    """The messages (or tools) cannot be rendered: a 400 for the harness (``param``: the
+    request field to blame, if not the messages)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # -- tokenizer + template --------------------------------------------------------------------
@@ -89,6 +103,16 @@ class ChatTokenizer:
         self._special_ids = set(self.hf.all_special_ids)
         self._token_str: dict[int, str] = {}
         self._heads: dict[bytes, str] = {}  # rendered system turn (+ tools) of probes
+        # what the template cannot show (tools, tool calls, ...) is rewritten before it renders
+        self.shows = TemplateTools.probe(self._render_template)
+        if self.shows.mode != "template":
+            log.info(
+                "the chat template in %s has no tool section: tools are %s",
+                tokenizer_dir,
+                "rendered in gyre's system-prompt format"
+                if self.shows.mode == "system-prompt"
+                else "refused (400): it has no system turn either",
+            )
         self.fast_suffix = False
         self.message_local = self._check_message_local()
 
@@ -109,9 +133,10 @@ class ChatTokenizer:
              {"role": "user", "content": "U3"}],
         ]  # fmt: skip
         fast = True
+        tool_sets = (None,) if self.shows.mode == "refused" else (None, tools)
         try:
             for msgs in convs:
-                for tl in (None, tools):
+                for tl in tool_sets:
                     for k in range(1, len(msgs)):
                         if msgs[k]["role"] != "assistant":
                             continue
@@ -164,6 +189,20 @@ class ChatTokenizer:
         return None if got is None else got[0]
 
     def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+        """The prompt text of a conversation: the chat template's rendering of the messages,
+        with what the template cannot show by itself (tools, tool calls, tool turns, content
+        parts) rewritten in gyre's one format first (`infra.gateway.tool_prompt`)."""
+        try:
+            messages, tools = self.shows.prepare(messages, tools)
+        except ToolsNotShown as exc:
+            raise ChatInputError(str(exc), param="tools") from None
+        except ValueError as exc:
+            raise ChatInputError(str(exc)) from None
+        return self._render_template(messages, tools, add_generation_prompt)
+
+    def _render_template(
+        self, messages: list[dict], tools: list | None, add_generation_prompt: bool
+    ) -> str:
         try:
             if self._template is not None:
                 return self._template.render(
@@ -292,6 +331,9 @@ def message_chain(messages: list[dict], tools: list | None) -> list[bytes]:
 def parse_output(text: str) -> tuple[str | None, list[dict]]:
     """Model text -> (content, OpenAI tool_calls). Malformed tool-call blocks -> plain content.
 
+    A block holds one ``{"name": ..., "arguments": ...}`` object, or a non-empty JSON list of
+    them (as SmolLM2's own function-calling prompt asks).
+
     Content is the text outside ``<tool_call>...</tool_call>`` blocks: the text before the
     first block (trailing whitespace removed) then any non-blank text between/after blocks.
     With tool calls and no text, content is None (as OpenAI returns it).
@@ -307,19 +349,21 @@ def parse_output(text: str) -> tuple[str | None, list[dict]]:
             obj = json.loads(b.group(1))
         except ValueError:
             return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+        objs = obj if isinstance(obj, list) and obj else [obj]  # a list: SmolLM2's own format
+        for one in objs:
+            if not isinstance(one, dict) or not isinstance(one.get("name"), str):
+                return text, []
+            args = one.get("arguments", {})
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": one["name"],
+                        "arguments": args if isinstance(args, str) else json.dumps(args),
+                    },
+                }
+            )
     pieces = [text[: blocks[0].start()].rstrip()]
     for a, b in zip(blocks, [*blocks[1:], None], strict=True):
         rest = text[a.end() : b.start() if b is not None else len(text)].strip()

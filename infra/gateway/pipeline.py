@@ -156,7 +156,7 @@ class CallPipeline:
         try:
             inp = await asyncio.to_thread(run) if s.tokens >= OFFLOAD_TOKENS else run()
         except ChatInputError as exc:
-            raise bad(str(exc), param) from exc
+            raise bad(str(exc), exc.param or param) from exc
         if not self.gw.router.active():  # the budget needs an engine's limits: wait for one
             await self.gw.wait_for_engine(self.gw.engine_wait_s)
         max_new = self.budget(len(inp.input_ids), gp, param)

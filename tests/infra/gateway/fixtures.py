@@ -5,6 +5,9 @@ test hooks: it records the exact input ids of every request it receives (what to
 is checked against), and it can be told what the *next* request's reply tokens are, so that a
 random-weight tiny model still "decides" to call a tool. A scripted token is teacher-forced: the
 reported logprob is still the model's own ``log_softmax`` of that token.
+
+`tokenizer_with_template` gives the tiny tokenizer another chat template, e.g. `SMOL_TEMPLATE`
+(SmolLM2-135M-Instruct's: ChatML, a default system prompt, no tool section).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import collections
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from infra.engine.engine import Engine
 from infra.engine.server import EngineServer
+from infra.engine.tiny_model import make_tiny_model
 
 
 class ScriptedEngine(Engine):
@@ -69,3 +74,23 @@ def serving(engines: dict[str, Engine]) -> Iterator[dict[str, str]]:
             s.stop()
         for e in engines.values():
             e.close()
+
+
+# SmolLM2-135M-Instruct's chat template, verbatim.
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def tokenizer_with_template(out: Path, template: str) -> str:
+    """The tiny tokenizer with another chat template (tokenizer files only)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.chat_template = template
+    hf.save_pretrained(out)
+    return str(out)

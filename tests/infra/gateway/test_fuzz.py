@@ -2,7 +2,8 @@
 
 Bodies mix well-formed values with arbitrary JSON in every field (and raw bytes that are not
 JSON at all), sent to chat, completions, responses, native ``/generate`` and scores, streamed
-or not. Properties: never a 5xx or a dropped connection; every 4xx in OpenAI's error shape;
+or not, to a gateway whose chat template shows tools and to one whose template does not
+(SmolLM2's). Properties: never a 5xx or a dropped connection; every 4xx in OpenAI's error shape;
 and what is stored is right: every answered call is in the TITO log exactly once, each record's
 input rebuilds to what the engine received, and each session's ``seq_no`` has no gap.
 """
@@ -23,7 +24,7 @@ from infra.gateway.gateway import Gateway
 from storage.store import Store
 from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
-from tests.infra.gateway.fixtures import ScriptedEngine
+from tests.infra.gateway.fixtures import SMOL_TEMPLATE, ScriptedEngine, tokenizer_with_template
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -134,17 +135,22 @@ request = st.sampled_from(sorted(PATHS)).flatmap(
 )
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny", "smol-style"])
+def served(request, tmp_path_factory):
+    """The tiny model behind its own template (tools shown by the template) or behind a copy of
+    SmolLM2's (tools, tool calls and content parts rewritten by the gateway)."""
     model = make_tiny_model()
     eng = ScriptedEngine(model, cell_id="a")
     srv = EngineServer(eng)
     url = srv.start()
     tmp = tmp_path_factory.mktemp("fuzz")
+    tok_dir = (
+        model if request.param == "tiny" else tokenizer_with_template(tmp / "tok", SMOL_TEMPLATE)
+    )
     gw = Gateway(
         Store(str(tmp / "store")),
         run_id="fuzz",
-        tokenizer_dir=model,
+        tokenizer_dir=tok_dir,
         spool_dir=str(tmp / "spool"),
         default_max_tokens=4,
     )

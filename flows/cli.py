@@ -73,8 +73,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"(starting Prefect, cells, engine, gateway...)",
         file=sys.stderr,
     )
-    from infra.cells.cluster import SchedulerLost
-
     try:
         with bounded_stop(), prefect_api():
             from flows.rl_run import rl_run
@@ -90,27 +88,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except LeaseHeld as exc:  # taken between the check above and the run's start
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:
-        if (failed := _cause(exc, _rollouts_failed)) is not None:
-            # the agent is broken (every reason is in the rollouts view): one line
-            print(f"gyre run: {failed}", file=sys.stderr)
-            forget()
-            return 1
-        if (outage := _cause(exc, _is_outage)) is None:
-            raise
-        # the store stayed unreachable past its bound: one line, not a traceback
-        print(f"gyre run: {outage}; continue it with `gyre run --resume {run_id} --store "
-              f"{cfg.store}` once the store is back", file=sys.stderr)  # fmt: skip
-        forget()
-        return 1
     except KeyboardInterrupt as exc:
         print(f"gyre run: stopped ({exc or 'SIGINT'}); continue it with `gyre run --resume "
               f"{run_id} --store {cfg.store}`", file=sys.stderr)  # fmt: skip
         forget()
         return 130
-    except SchedulerLost as exc:
-        print(f"gyre run: {exc}; then continue the run with `gyre run --resume {run_id} "
-              f"--store {cfg.store}`", file=sys.stderr)  # fmt: skip
+    except Exception as exc:
+        if (line := _run_failure(exc, f"gyre run --resume {run_id} --store {cfg.store}")) is None:
+            raise
+        print(f"gyre run: {line}", file=sys.stderr)  # one line, not a traceback
         forget()
         return 1
     forget()
@@ -129,16 +115,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_outage(e: BaseException) -> bool:
+def _run_failure(exc: BaseException, resume: str) -> str | None:
+    """The line that explains a run's end by ``exc``, where its cause is one a user can act
+    on (a lost Dask scheduler, a broken agent, a store outage); None for anything else."""
+    from infra.cells.cluster import SchedulerLost
     from storage.store import StoreError
-
-    return isinstance(e, StoreError) and bool(e.outage)
-
-
-def _rollouts_failed(e: BaseException) -> bool:
     from tasks.rollout import RolloutsFailed
 
-    return isinstance(e, RolloutsFailed)
+    if (lost := _cause(exc, lambda e: isinstance(e, SchedulerLost))) is not None:
+        return f"{lost}; then continue the run with `{resume}`"
+    if (failed := _cause(exc, lambda e: isinstance(e, RolloutsFailed))) is not None:
+        return str(failed)  # the agent is broken (every reason is in the rollouts view)
+    if (out := _cause(exc, lambda e: isinstance(e, StoreError) and bool(e.outage))) is not None:
+        return f"{out}; continue it with `{resume}` once the store is back"
+    return None
 
 
 def _cause(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:

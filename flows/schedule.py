@@ -37,7 +37,7 @@ from storage.store import Store
 from tasks.env.heldout import train_task_seed
 from tasks.handles import GroupSpec
 from tasks.process import process_group
-from tasks.rollout import FailedSessions, admin_token_variable, rollout_group
+from tasks.rollout import FailedSessions, RolloutsFailed, admin_token_variable, rollout_group
 from tasks.sched.config import build_policy, group_shape
 from tasks.sched.coordinator import (
     Coordinator,
@@ -268,6 +268,20 @@ def schedule(
     t0 = time.monotonic()
     decisions = 0
     interrupted = False
+
+    def show() -> tuple[int, int]:
+        """Draw the progress line and artifact; the (steps, failed sessions) drawn."""
+        steps_done, failed = ex.stats.steps, work.failures.n_failed
+        bar.update(steps_done - bar.n)
+        progress.update(steps_done, _reward(ex), failed)
+        s = coord.state()
+        bar.set_postfix_str(
+            f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
+            f"{s.count('rollout')}R/{s.count('train')}T "
+            f"failed {failed}/{work.failures.n_sessions} sessions"
+        )
+        return steps_done, failed
+
     last_shown = (0, 0)  # (steps, failed sessions) on the progress line
     try:
         with stop_points():
@@ -283,18 +297,13 @@ def schedule(
                     if not isinstance(d, StartRollouts):
                         decisions += 1
                     ex.apply(d, explain(d, state, cfg, ex.version0))
-                shown = (ex.stats.steps, work.failures.n_failed)
-                if shown != last_shown:  # a step, or a failed session (shown at once)
-                    last_shown = shown
-                    bar.update(ex.stats.steps - bar.n)
-                    progress.update(ex.stats.steps, _reward(ex), work.failures.n_failed)
-                    s = coord.state()
-                    bar.set_postfix_str(
-                        f"v{ex.version} level {s.water_level} in flight {s.in_flight} "
-                        f"{s.count('rollout')}R/{s.count('train')}T "
-                        f"failed {work.failures.n_failed}/{work.failures.n_sessions} sessions"
-                    )
-                work.failures.check()  # a broken agent: the run stops, naming the reasons
+                if (ex.stats.steps, work.failures.n_failed) != last_shown:
+                    last_shown = show()  # a step, or a failed session (shown at once)
+                try:
+                    work.failures.check()  # a broken agent: the run stops, naming the reasons
+                except RolloutsFailed:
+                    show()  # failures the tally took since the line was drawn
+                    raise
         check_stop()  # one that came during the last tick
     except BaseException:
         interrupted = True  # Ctrl-C, SIGTERM, or a failure: stop quickly

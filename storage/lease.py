@@ -148,7 +148,11 @@ class _File:
                     raise _Conflict(str(exc)) from exc
                 raise
 
-        return with_retries(f"{what} {self.path}", once, retry_s=self.store.retry_s)
+        # an outage the run's other calls waited out is not waited out again here (the
+        # release at the end of a run whose store went away took a second bound)
+        return with_retries(
+            f"{what} {self.path}", once, retry_s=self.store.retry_s, outage_key=self.store.url
+        )
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

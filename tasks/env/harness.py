@@ -203,7 +203,10 @@ class CommandHarness:
             report = _read_report(out_file)
         replay(env, report)
         if proc.returncode != 0:
-            tail = output.decode("utf-8", "replace")[-400:]
+            # its last words, not a traceback's middle: the last lines that say something
+            said = [ln.strip() for ln in output.decode("utf-8", "replace").splitlines()]
+            said = [ln for ln in said if ln.strip("^~ ")]
+            tail = " / ".join(said[-3:])[-400:]
             raise RuntimeError(f"harness {self.argv[0]} exited with {proc.returncode}: {tail}")
         return HarnessResult(calls=int(report.get("calls", 0) or 0))
 

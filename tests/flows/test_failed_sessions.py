@@ -67,10 +67,13 @@ def test_a_run_whose_agent_asks_for_a_wrong_model_fails_naming_the_reason(tmp_pa
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-3000:]
     last = out.stderr.strip().splitlines()[-1]  # one line, not a traceback, ends the run
-    assert last.startswith("gyre run: step 1:") and "max_failed_fraction=0.5" in last, last
+    # the first step's group or the second's (two are admitted at once) fails first
+    assert re.match(r"gyre run: step [01]: ", last) and "max_failed_fraction=0.5" in last, last
+    assert "gpt-no-such-model" in last, last  # the agent's last words, not a traceback's middle
     assert "gpt-no-such-model" in text, text[-3000:]  # the first reason: the 404 for it
-    # the progress line (tiny: 4 sessions a step); the stop may come before the last redraw
-    assert re.search(r"failed [1-4]/4 sessions", out.stderr), out.stderr[-3000:]
+    # the progress line counts the run's failed sessions so far (a second group may have
+    # started before the first one's failures stopped the run: 4/4 or 8/8)
+    assert re.search(r"failed [1-9]\d*/\d+ sessions", out.stderr), out.stderr[-3000:]
     rows = query(
         Store(str(store)),
         "SELECT status, reason FROM rollouts WHERE run_id = 'broken'",

@@ -14,7 +14,9 @@ from tests.s3 import moto_s3
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.slow]
 
-BOUND_S = 30
+# the run's ordinary stop (rollouts drain, cells and Prefect end) took 15-65 s here, the
+# more the busier the machine: a bound well above it tells one bound from two
+BOUND_S = 90
 
 
 def test_a_run_ends_within_one_bound_when_its_store_goes_away(tmp_path, free_port):

@@ -370,6 +370,10 @@ def _main_model(args) -> dict[str, float]:
     print(f"{'metric':<36}{'value':>16}")
     for k, v in res.items():
         print(f"{k:<36}{v:>16.6g}")
+    ratio, target = figures["tree_over_flat_step_time"], details["tree_over_flat_step_time_target"]
+    print(
+        f"step time tree/flat {ratio:.3f} vs target {target:.3f}: {'OK' if ratio <= target else 'MISSED'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

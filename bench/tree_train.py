@@ -10,7 +10,13 @@ flat tokens) x flat time, i.e. tree compute per trained token no worse than
 1.25 x flat. Exactness: the same comparison in float64 on a tiny model, for
 PPO-clip and GRPO: max |loss diff| and max |grad diff| (target <= 1e-12).
 
-    python bench/tree_train.py [--quick] [--json PATH]
+    python bench/tree_train.py [--quick] [--json PATH] [--model smollm2|PATH]
+
+``--model`` (a pretrained name, e.g. ``smollm2``, or a local HF checkpoint directory):
+the same tree-vs-flat step time on that model's weights through a real ``Trainer``
+(fp32, its vocabulary), the fp32 tree/flat loss and grad agreement, training tokens per
+second of full ``Trainer.step``s, where a step's time goes (forward, backward,
+optimizer) and the process's peak RSS (`bench_model`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -110,6 +118,141 @@ def exactness(tree, flat, vocab: int, max_tokens: int) -> tuple[float, float]:
     return dl, dg
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextmanager
+def step_profile(trainer, into: dict[str, float]):
+    """Time a `Trainer.step`'s parts into ``into`` (seconds, summed): ``forward`` (the
+    decoder and LM head forwards, hooks on the model), ``backward`` (``Tensor.backward``)
+    and ``optimizer`` (``optimizer.step``); the rest of the step (packing, the loss terms,
+    grad clipping) is ``step - forward - backward - optimizer``."""
+    model, opt = trainer.model, trainer.optimizer
+    starts: list[float] = []
+
+    def pre(_m, _a):
+        starts.append(time.perf_counter())
+
+    def post(_m, _a, _o):
+        into["forward"] = into.get("forward", 0.0) + time.perf_counter() - starts.pop()
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    hooks = [m.register_forward_pre_hook(pre) for m in (model.get_decoder(), model.lm_head)] + [
+        m.register_forward_hook(post) for m in (model.get_decoder(), model.lm_head)
+    ]
+    backward, opt_step = torch.Tensor.backward, opt.step
+    torch.Tensor.backward = timed("backward", backward)
+    opt.step = timed("optimizer", opt_step)
+    try:
+        yield into
+    finally:
+        torch.Tensor.backward = backward
+        opt.step = opt_step
+        for h in hooks:
+            h.remove()
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def bench_model(
+    model_dir: str,
+    quick: bool,
+    *,
+    sessions: int | None = None,
+    calls: int | None = None,
+    scale: int | None = None,
+    repeats: int | None = None,
+    steps: int | None = None,
+    max_tokens: int = 4096,
+    threads: int = 1,
+) -> tuple[dict, dict]:
+    """Tree vs flat step time on a pretrained checkpoint (fp32, a real `Trainer`'s model),
+    interleaved, medians; then full `Trainer.step`s on the tree samples, profiled. Returns
+    ``(figures, details)`` as bench/engine.py's `BENCHES` entries do."""
+    from tasks.train.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    sessions = sessions or 2  # two rewards: a group with an advantage
+    calls = calls or (3 if quick else 6)
+    scale = scale or (12 if quick else 32)
+    repeats = repeats or (1 if quick else 3)
+    steps = steps or (1 if quick else 2)
+    trainer = Trainer(model_dir, lr=1e-6, max_tokens_per_micro=max_tokens)
+    model = trainer.model
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    tree, flat = workload(sessions, calls, vocab, scale)
+    unique = sum(s.n_tokens for s in tree)
+    n_flat = sum(s.n_tokens for s in flat)
+    ratio = unique / n_flat
+    cfg = trainer.loss_cfg
+    norm = float(sum(s.n_flat_trainable for s in tree))
+    got: dict[str, tuple[float, dict]] = {}
+
+    def run(layout: str) -> float:
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        if layout == "tree":
+            m = tree_loss_and_grads(model, tree, cfg=cfg, normalizer=norm, max_tokens=max_tokens)
+        else:
+            m = flat_loss_and_grads(model, flat, cfg=cfg, normalizer=norm)
+        dt = time.perf_counter() - t0
+        if layout not in got:
+            got[layout] = (m["loss"], grads(model))
+        return dt
+
+    run("tree"), run("flat")  # warm-up; keeps the loss and grads of each layout
+    tt, ft = [], []
+    for _ in range(repeats):  # interleaved, so load changes hit both sides
+        tt.append(run("tree"))
+        ft.append(run("flat"))
+    (lt, gt), (lf, gf) = got["tree"], got["flat"]
+    grad_rel = max(_rel_diff(gt[k], gf[k]) for k in gf)
+    got.clear()
+    del gt, gf
+    model.zero_grad(set_to_none=True)
+    prof: dict[str, float] = {}
+    step_s = []
+    with step_profile(trainer, prof):
+        for _ in range(steps):
+            step_s.append(trainer.step(tree)["train/step_time_s"])
+    total = sum(step_s)
+    t_tree, t_flat = statistics.median(tt), statistics.median(ft)
+    figures = {"tree_over_flat_step_time": t_tree / t_flat}
+    details = {
+        "train_unique_tokens": float(unique),
+        "train_flat_tokens": float(n_flat),
+        "unique_over_flat_tokens": ratio,
+        "tree_over_flat_step_time_target": 1.25 * ratio,
+        "tree_loss_grads_s": t_tree,
+        "flat_loss_grads_s": t_flat,
+        "tree_flat_loss_rel_diff_fp32": abs(lt - lf) / max(abs(lf), 1e-30),
+        "tree_flat_grad_rel_diff_fp32": grad_rel,
+        "train_step_s": total / len(step_s),
+        "train_tok_s": unique * len(step_s) / total,
+        "train_flat_tok_s": n_flat * len(step_s) / total,
+        "train_forward_frac": prof.get("forward", 0.0) / total,
+        "train_backward_frac": prof.get("backward", 0.0) / total,
+        "train_optimizer_frac": prof.get("optimizer", 0.0) / total,
+        "train_other_frac": 1 - sum(prof.values()) / total,
+        "trainer_peak_rss_mib": peak_rss_mib(),
+        "train_torch_threads": float(torch.get_num_threads()),
+    }
+    return figures, details
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model and workload (< 1 min)")
@@ -125,7 +268,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--threads", type=int, default=1, help="torch threads (1: least sensitive to other load)"
     )
     ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a pretrained model (smollm2) or a local HF checkpoint: its tree-vs-flat step "
+        "time, training tokens/s, step profile and peak RSS (see bench_model)",
+    )
     args = ap.parse_args(argv)
+    if args.model:
+        return _main_model(args)
     torch.set_num_threads(args.threads)
     q = args.quick
     sessions = args.sessions or (3 if q else 4)
@@ -198,6 +349,36 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "tree_train", "quick": q, **res}, f, indent=2)
+    return res
+
+
+def _main_model(args) -> dict[str, float]:
+    import engine as engine_bench  # bench/engine.py, beside this script
+
+    model_dir, prefix = engine_bench.resolve_model(args.model)
+    figures, details = bench_model(
+        model_dir,
+        args.quick,
+        sessions=args.sessions,
+        calls=args.calls,
+        scale=args.scale,
+        repeats=args.repeats,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+    )
+    res = {f"{prefix}{k}": v for k, v in figures.items()} | details
+    print(f"{'metric':<36}{'value':>16}")
+    for k, v in res.items():
+        print(f"{k:<36}{v:>16.6g}")
+    ratio, target = figures["tree_over_flat_step_time"], details["tree_over_flat_step_time_target"]
+    print(
+        f"step time tree/flat {ratio:.3f} vs target {target:.3f}: {'OK' if ratio <= target else 'MISSED'}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"bench": "tree_train", "model": model_dir, "quick": args.quick, **res}, f, indent=2
+            )
     return res
 
 

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,19 +42,42 @@ from infra.engine_api.client import EngineError
 from infra.gateway.chat import (
     ChatInput,
     ChatInputError,
+    ChatTokenizer,
     SessionCalls,
     apply_stop,
     digest,
     parse_output,
     reply_key,
 )
-from infra.gateway.router import NoEngineError
+from infra.gateway.router import EngineHandle, NoEngineError, Router
 from infra.gateway.sessions import Session
 from infra.gateway.wire import ApiError, GenParams, bad
 from storage.tito import TitoRecord
+from storage.tito_log import TitoLog
 
-if TYPE_CHECKING:
-    from infra.gateway.core import GatewayCore
+
+class CallState(Protocol):
+    """What the call path reads and updates of the gateway's state (`GatewayCore` is it).
+    Named here so that the pipeline needs no import of the core (no circle)."""
+
+    run_id: str
+    default_max_tokens: int
+    engine_wait_s: float
+    tok: ChatTokenizer
+    tito: TitoLog
+    router: Router
+    counters: dict[str, int]
+
+    def session_calls(self, s: Session) -> SessionCalls: ...
+
+    def journal_reply(self, session_id: str, rid: str, msg_key: bytes, reply: bytes) -> None: ...
+
+    async def wait_for_engine(self, timeout: float) -> bool: ...
+
+    def max_context(self) -> int | None: ...
+
+    async def cell_for(self, s: Session) -> EngineHandle: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +146,9 @@ class Answer:
 
 
 class CallPipeline:
-    """The call path of one gateway (state lives in `GatewayCore`)."""
+    """The call path of one gateway (state lives in `GatewayCore`, a `CallState`)."""
 
-    def __init__(self, gw: GatewayCore):
+    def __init__(self, gw: CallState):
         self.gw = gw
         self._rid_base = uuid.uuid4().hex[:16]
         self._n = 0

@@ -9,13 +9,24 @@ Pure module: no prefect, no distributed, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tasks.trajectory.tree import TrajectoryTree
+
+class LaidOut(Protocol):
+    """What `flatten` reads of a tree (`tasks.trajectory.tree.TrajectoryTree` is one): its
+    virtual root, its nodes in DFS preorder (each with ``id``, ``parent``, ``start``,
+    ``tokens``, ``prov``, ``version``, ``logprobs``, ``len``) and each call's end node.
+    Named here so that the layout needs no import of the tree (no circle)."""
+
+    root: Any
+
+    def nodes(self) -> Sequence[Any]: ...
+
+    def end_nodes(self) -> Mapping[str, Any]: ...
 
 
 @dataclass
@@ -57,7 +68,7 @@ class FlatTree:
         return out
 
 
-def flatten(tree: TrajectoryTree) -> FlatTree:
+def flatten(tree: LaidOut) -> FlatTree:
     """Token-level DFS-preorder layout of the whole tree (see ``FlatTree``)."""
     nodes = tree.nodes()
     m = len(nodes)

@@ -296,7 +296,9 @@ def test_unprivileged_caller_gets_the_same_sandbox():
     """As a plain user (uid 65534), the sandbox builds on a user namespace instead."""
     closed = [p for p in (REPO, *REPO.parents) if not p.stat().st_mode & 0o001]
     if closed:  # e.g. a checkout under a 0700 home or mktemp directory
-        pytest.skip(f"uid 65534 cannot reach the checkout to import gyre ({closed[-1]} is closed to others)")
+        pytest.skip(
+            f"uid 65534 cannot reach the checkout to import gyre ({closed[-1]} is closed to others)"
+        )
     top = Path(tempfile.mkdtemp(prefix="gyre-userns-"))  # pytest's tmp_path is private to root
     try:
         _unprivileged(top)

@@ -39,7 +39,7 @@ test: $(STAMP) lint
 
 # the long checks: performance targets as tests, faults (cells, trainer, run killed;
 # Ctrl-C), the deployment run, an external Dask cluster, the mutation check and a
-# shortened learning demo (~17 min on 2 cores)
+# shortened learning demo, the real SmolLM2 checks (~25 min on 2 cores)
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m "slow and not gpu"
 

@@ -30,26 +30,13 @@ from tasks.rollout import roll_out_group
 from tasks.sched.coordinator import RolloutFinished, StartRollouts, StartStep, StepFinished
 from tasks.train.config import TrainConfig
 from tasks.train_step import member_on_cell
+from tests.infra.cells.jobs import FutureJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RCFG = RolloutConfig(group_size=2, subtasks=1, max_new_tokens=8, max_attempts=2, timeout_s=300)
 # every group trains, also one whose rewards tie (the test counts samples per group)
 TCFG = TrainConfig(lr=1e-3, max_staleness=4, filter_zero_variance=False)
-
-
-class _Job:
-    def __init__(self, fut):
-        self.fut = fut
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def result(self):
-        return self.fut.result()
-
-    def add_done_callback(self, fn) -> None:
-        self.fut.add_done_callback(lambda _f: fn())
 
 
 class Work:
@@ -60,13 +47,13 @@ class Work:
         self.pool = cf.ThreadPoolExecutor(4)
         self.by_id = {cells.cell_id(a): a for a in cells.roles}
 
-    def rollout(self, index: int, cell_id: str) -> _Job:
+    def rollout(self, index: int, cell_id: str) -> FutureJob:
         spec = GroupSpec(index, f"g{index}", 300 + index, 1, cell_id=cell_id)
         args = (self.gw.url, self.gw.admin_token, self.store, self.run_id, spec, RCFG)
-        return _Job(self.pool.submit(roll_out_group, *args))
+        return FutureJob(self.pool.submit(roll_out_group, *args))
 
-    def process(self, index, sessions, version) -> _Job:
-        return _Job(
+    def process(self, index, sessions, version) -> FutureJob:
+        return FutureJob(
             self.pool.submit(
                 process_sessions,
                 self.store,
@@ -78,9 +65,9 @@ class Work:
             )
         )
 
-    def step(self, plan) -> list[_Job]:
+    def step(self, plan) -> list[FutureJob]:
         return [
-            _Job(
+            FutureJob(
                 self.cells.client.submit(
                     member_on_cell,
                     self.store,

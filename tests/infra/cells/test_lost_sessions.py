@@ -30,24 +30,11 @@ from tasks.handles import GroupSpec
 from tasks.process import process_sessions
 from tasks.rollout import roll_out_group
 from tasks.sched.coordinator import RolloutFinished, StartRollouts
+from tests.infra.cells.jobs import FutureJob
 
 pytestmark = pytest.mark.integration
 
 RCFG = RolloutConfig(group_size=2, subtasks=1, max_new_tokens=4, max_attempts=1, timeout_s=120)
-
-
-class _Job:
-    def __init__(self, fut):
-        self.fut = fut
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def result(self):
-        return self.fut.result()
-
-    def add_done_callback(self, fn) -> None:
-        self.fut.add_done_callback(lambda _f: fn())
 
 
 class RerunWork:
@@ -64,12 +51,12 @@ class RerunWork:
         self.first = roll_out_group(*args)  # the attempt that "died with its cell"
         return roll_out_group(*args)
 
-    def rollout(self, index: int, cell_id: str) -> _Job:
-        return _Job(self.pool.submit(self._twice, GroupSpec(index, f"g{index}", 7, 1)))
+    def rollout(self, index: int, cell_id: str) -> FutureJob:
+        return FutureJob(self.pool.submit(self._twice, GroupSpec(index, f"g{index}", 7, 1)))
 
-    def process(self, index, sessions, version) -> _Job:
+    def process(self, index, sessions, version) -> FutureJob:
         args = (self.store, self.run_id, index, sessions)
-        return _Job(self.pool.submit(process_sessions, *args, current_version=version))
+        return FutureJob(self.pool.submit(process_sessions, *args, current_version=version))
 
     def step(self, plan):  # pragma: no cover
         raise AssertionError

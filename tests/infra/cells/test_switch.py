@@ -28,24 +28,11 @@ from tasks.env.config import RolloutConfig
 from tasks.handles import GroupSpec
 from tasks.rollout import roll_out_group
 from tasks.sched.coordinator import Move, MoveDone, RolloutFinished, StartRollouts
+from tests.infra.cells.jobs import FutureJob
 
 pytestmark = pytest.mark.integration
 
 RCFG = RolloutConfig(group_size=2, subtasks=10, max_new_tokens=8, max_attempts=2, timeout_s=300)
-
-
-class _Job:
-    def __init__(self, fut: cf.Future):
-        self.fut = fut
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def result(self):
-        return self.fut.result()
-
-    def add_done_callback(self, fn) -> None:
-        self.fut.add_done_callback(lambda _f: fn())
 
 
 @dataclass
@@ -61,11 +48,11 @@ class ThreadWork:
         self.gw, self.store, self.run_id = gw, store, run_id
         self.pool = cf.ThreadPoolExecutor(8)
 
-    def rollout(self, index: int, cell_id: str) -> _Job:
+    def rollout(self, index: int, cell_id: str) -> FutureJob:
         spec = GroupSpec(
             index, f"g{index}", 100 + index, RCFG.subtasks, env_step_s=0.15, cell_id=cell_id
         )
-        return _Job(
+        return FutureJob(
             self.pool.submit(
                 roll_out_group,
                 self.gw.url,
@@ -77,10 +64,10 @@ class ThreadWork:
             )
         )
 
-    def process(self, index, sessions, version) -> _Job:
+    def process(self, index, sessions, version) -> FutureJob:
         f: cf.Future = cf.Future()
         f.set_result(_Processed())
-        return _Job(f)
+        return FutureJob(f)
 
     def step(self, plan):  # pragma: no cover - no step in this test
         raise AssertionError("no training step here")

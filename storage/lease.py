@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from storage.paths import check_run_id
-from storage.store import Store, StoreError, with_retries
+from storage.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,9 @@ class _File:
                     raise _Conflict(str(exc)) from exc
                 raise
 
-        # an outage the run's other calls waited out is not waited out again here (the
-        # release at the end of a run whose store went away took a second bound)
-        return with_retries(
-            f"{what} {self.path}", once, retry_s=self.store.retry_s, outage_key=self.store.url
-        )
+        # the store's own bounded retries: an outage the run's other calls waited out is not
+        # waited out again here (the release of a run whose store went away took a second bound)
+        return self.store._retry(f"{what} {self.path}", once)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

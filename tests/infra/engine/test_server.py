@@ -64,12 +64,16 @@ def test_generate_response_shape(server):
 
 
 def test_stream_matches_non_stream(server):
+    """Chunks are cumulative and end as the plain call. The server coalesces what the engine
+    made since the last chunk, so on a loaded machine 10 tokens can all come in one chunk:
+    ask for enough that the first chunk is sure to leave before the last token is made."""
     url, _ = server
+    long = {**GREEDY, "max_new_tokens": 256}
 
     async def go():
         async with EngineClient(url) as c:
-            full = await c.generate(PROMPT, GREEDY)
-            chunks = [ch async for ch in c.generate_stream(PROMPT, GREEDY)]
+            full = await c.generate(PROMPT, long)
+            chunks = [ch async for ch in c.generate_stream(PROMPT, long)]
             return full, chunks
 
     full, chunks = run(go())

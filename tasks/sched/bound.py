@@ -387,7 +387,8 @@ def upper_bound(w: Workload, max_lag: int, seeds: tuple[int, ...] | list[int] = 
     No run of a scheduler of the class in the module text on seed ``s`` trains
     faster than that seed's bound (``per_seed``); ``whole_run_per_hour`` is
     their median, so the median of the runs' rates over ``seeds`` cannot pass
-    it either. The other figures are of the median seed.
+    it either. The other figures are of the median seed; ``steady_per_hour`` is
+    the programme's best path's steady rate, informative, not itself a bound.
     """
     if max_lag < 0:
         raise ValueError(f"max_lag must be >= 0, got {max_lag}")

@@ -214,7 +214,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flows.config import PRESETS  # pure and light: pydantic + the section models
+    from flows.config import PRESETS, preset_help  # pure and light: pydantic + the sections
 
     p = argparse.ArgumentParser(prog="gyre", description="elastic RL for long-horizon LLM agents")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -227,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run (killed, stopped, or to train further with train.steps=N) from "
         "its last committed step, with its stored settings and then key=value overrides",
     )
-    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    r.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help=f"starting settings: {preset_help()}",
+    )
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.set_defaults(fn=cmd_run)

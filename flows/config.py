@@ -212,6 +212,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def preset_help() -> str:
+    """One line per preset, from its own settings: suite, steps, what it adds (the Run
+    form's and ``--preset``'s help, never out of step with the presets)."""
+    out = []
+    for name, tree in PRESETS.items():
+        cfg = RunConfig.model_validate(tree)
+        extra = ", warm start" if cfg.warmstart.enabled else ""
+        out.append(
+            f"{name} ({cfg.rollout.suite}, {cfg.train.steps} steps, "
+            f"{cfg.rollout.groups_per_step}x{cfg.rollout.group_size} sessions per step{extra})"
+        )
+    return "; ".join(out)
+
+
 # the settings flows/preflight.py checks against the world (and what it needs for that)
 WORLD_KEYS = (
     "store",

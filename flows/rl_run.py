@@ -26,11 +26,11 @@ from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
 from flows import live
-from flows.config import PRESETS, RunConfig, load_config
+from flows.config import PRESETS, RunConfig, load_config, preset_help
 from flows.evaluation import write_learning
 from flows.preflight import checked
 from flows.procs import forget, record_children
-from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
+from flows.progress import artifact_key, config_markdown, plain, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
@@ -64,11 +64,8 @@ def _totals(store: Store, run_id: str) -> dict[str, Any]:
         f"FROM steps WHERE run_id = '{rid}'",
     ):
         out.update(query(store, sql).to_pylist()[0])
-    # DuckDB sums integers to DECIMAL: plain numbers for the summary and the artifact
-    return {
-        k: (float(v) if hasattr(v, "as_integer_ratio") and not isinstance(v, int) else v)
-        for k, v in out.items()
-    }
+    # DuckDB sums integers to DECIMAL: plain numbers (counts stay integers) for the summary
+    return {k: plain(v) for k, v in out.items()}
 
 
 def _initial_name() -> str:
@@ -107,7 +104,6 @@ def resolve(
     return load_config(config_file=config_file, preset=preset, overrides=over, store=store)
 
 
-@flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=True)
 def rl_run(
     preset: Preset | None = "tiny",
     overrides: list[str] | None = None,
@@ -120,7 +116,7 @@ def rl_run(
     """One RL run of a task suite: validated settings, cells, engines, gateway, loop.
 
     Args:
-        preset: starting settings: tiny (2 steps, about a minute) or demo (8 steps).
+        preset: starting settings: {presets}.
         overrides: settings as "key=value" strings, applied after the preset, e.g.
             ["train.steps=8", "scheduler.mode=async", "rollout.suite=tools"]
             (every key: `gyre run --help` and flows/config.py).
@@ -142,6 +138,11 @@ def rl_run(
     # one writer per run: a second run (or `gyre serve`) of this run id is refused
     with Lease(st, run_id, f"gyre run ({'resume' if resume else 'new'})"):
         return _run(cfg, st, run_id, preset, resume, more_steps)
+
+
+# the Run form's help of `preset` says what each preset is, from the presets themselves
+rl_run.__doc__ = (rl_run.__doc__ or "").replace("{presets}", preset_help())
+rl_run = flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=True)(rl_run)
 
 
 def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:

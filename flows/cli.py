@@ -2,6 +2,7 @@
 
     gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
+    gyre config [--list] [--preset NAME] [--config FILE] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
     gyre session new [--url URL] [--admin-token TOKEN] [--port N]
@@ -165,6 +166,21 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """Every setting with its value (the defaults, a preset's, a file's, overrides) and
+    its meaning; without --list, only the settings that differ from the defaults."""
+    from flows.config import ConfigError, load_config, settings_text
+
+    try:
+        cfg = load_config(config_file=args.config, preset=args.preset, overrides=args.overrides)
+    except ConfigError as exc:
+        print(f"gyre config: {exc}", file=sys.stderr)
+        return 2
+    text = settings_text(cfg, changed_only=not args.list)
+    print(text or "every setting at its default (gyre config --list shows them all)")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.serve import main_serve
 
@@ -236,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser(
+        "config", help="list the settings: values, defaults and meanings (key=value lines)"
+    )
+    c.add_argument("--list", action="store_true", help="every setting, not only those changed")
+    c.add_argument("--preset", choices=sorted(PRESETS), help="a preset's values")
+    c.add_argument("--config", help="YAML run config, applied after the preset")
+    c.add_argument("overrides", nargs="*", metavar="key=value")
+    c.set_defaults(fn=cmd_config)
 
     q = sub.add_parser("sql", help="read-only DuckDB SQL over the store's views")
     q.add_argument("--store", default=DEFAULT_STORE)

@@ -68,7 +68,7 @@ class WarmStartConfig(BaseModel):
 
     enabled: bool = Field(False, description="start the run from a supervised warm start")
     steps: int = Field(100, ge=1, le=100_000, description="AdamW steps of the supervised pass")
-    lr: float = Field(3e-3, gt=0, le=1.0)
+    lr: float = Field(3e-3, gt=0, le=1.0, description="AdamW learning rate of the pass")
     batch_size: int = Field(16, ge=1, le=4096, description="demonstrations per step")
     demos: int = Field(512, ge=1, le=1_000_000, description="distinct demonstrations")
     difficulty: int | None = Field(

@@ -2,6 +2,7 @@
 
     gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
+    gyre run --from-served RUN_ID [--store URL] [train.key=value ...]
     gyre config [--list] [--preset NAME] [--config FILE] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
@@ -44,6 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from storage.lease import LeaseHeld, check_free
     from storage.store import Store
 
+    if args.from_served:
+        return _run_from_served(args)
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
     try:  # fail before anything starts, every problem at once
         if args.resume:
@@ -113,6 +116,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"\"SELECT * FROM steps WHERE run_id = '{rid}' ORDER BY step\""
     )
     print(f"continue it:  gyre run --resume {rid} --store {summary['store']} train.steps=N")
+    return 0
+
+
+def _run_from_served(args: argparse.Namespace) -> int:
+    """``gyre run --from-served RUN_ID``: one optimizer step on the scored sessions a
+    ``gyre serve`` recorded (flows/served.py); no Prefect, no cells."""
+    from flows.config import ConfigError, load_config
+    from flows.served import ServedError, train_served
+    from storage.lease import LeaseHeld
+    from storage.store import Store, StoreError
+
+    try:
+        cfg = load_config(config_file=args.config, overrides=args.overrides, store=args.store)
+        store = Store(cfg.store, create=False)
+        out = train_served(store, args.from_served, cfg, say=lambda m: print(f"gyre run: {m}"))
+    except (ConfigError, ServedError, LeaseHeld, StoreError) as exc:
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
+    width = max(len(k) for k in out)
+    for k, v in out.items():
+        print(
+            f"  {k.ljust(width)}  {v:.4g}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}"
+        )
+    print(f"serve it:  gyre serve --store {out['store']} --run-id {out['run_id']} "
+          f"--model {out['checkpoint']}")  # fmt: skip
     return 0
 
 
@@ -248,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(PRESETS),
         default="tiny",
         help=f"starting settings: {preset_help()}",
+    )
+    r.add_argument(
+        "--from-served",
+        metavar="RUN_ID",
+        help="train one step on the scored sessions a `gyre serve` recorded under RUN_ID and no "
+        "earlier pass used (offline RL from the store; train.* settings apply)",
     )
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")

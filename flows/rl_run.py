@@ -152,7 +152,7 @@ def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
         return cfg.model.path
     if cfg.model.name is not None:
         return prepare(cfg.model.name, say=say)
-    return warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
+    return warm_start_for(cfg, say=say) or make_tiny_model(seed=cfg.model.seed)
 
 
 def _run(

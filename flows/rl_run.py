@@ -34,7 +34,7 @@ from flows.progress import artifact_key, config_markdown, plain, rounded, summar
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
-from infra.cells.cluster import default_worker_env, start_cells
+from infra.cells.cluster import default_worker_env, quiet_completed_tasks, start_cells
 from infra.engine.pretrained import prepare
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
@@ -160,6 +160,7 @@ def _run(
 ) -> dict[str, Any]:
     """The run's body, while this process holds the run's lease."""
     logger = get_run_logger()
+    quiet_completed_tasks()  # the tasks that run in this process (sub-flows' glue)
     t0 = time.monotonic()
     model_dir = model_dir_of(cfg, say=logger.info)
     spool = spool_dir(st.url, run_id)

@@ -26,6 +26,7 @@ import duckdb
 from duckdb import sqltypes
 
 from storage.checkpoints import fetch_tokenizer
+from storage.paths import check_run_id
 from storage.store import Store
 
 _LOCK = threading.Lock()
@@ -54,6 +55,7 @@ FROM tito GROUP BY run_id, session_id
 
 def tokenizer(store: Store, run_id: str) -> Any:
     """The tokenizer of ``run_id`` (its first checkpoint's), loaded once per process."""
+    check_run_id(run_id)  # a query names it: never a path out of the store's checkpoints
     key = (store.url, run_id)
     with _LOCK:
         if key not in _TOKENIZERS:

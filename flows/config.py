@@ -212,6 +212,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def preset_help() -> str:
+    """One line per preset, from its own settings: suite, steps, what it adds (the Run
+    form's and ``--preset``'s help, never out of step with the presets)."""
+    out = []
+    for name, tree in PRESETS.items():
+        cfg = RunConfig.model_validate(tree)
+        extra = ", warm start" if cfg.warmstart.enabled else ""
+        out.append(
+            f"{name} ({cfg.rollout.suite}, {cfg.train.steps} steps, "
+            f"{cfg.rollout.groups_per_step}x{cfg.rollout.group_size} sessions per step{extra})"
+        )
+    return "; ".join(out)
+
+
 # the settings flows/preflight.py checks against the world (and what it needs for that)
 WORLD_KEYS = (
     "store",
@@ -252,6 +266,51 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{name}")
     return keys
+
+
+def settings(cfg: RunConfig | None = None) -> list[dict[str, Any]]:
+    """Every setting: ``key``, ``value`` (in ``cfg``, default: the defaults), ``default`` and
+    ``description``, in the order of the sections (what ``gyre config --list`` prints)."""
+    cfg = cfg if cfg is not None else RunConfig()
+
+    def walk(model: type[BaseModel], obj: Any, prefix: str) -> list[dict[str, Any]]:
+        out = []
+        for name, field in model.model_fields.items():
+            ann, value = field.annotation, getattr(obj, name)
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out += walk(ann, value, f"{prefix}{name}.")
+            else:
+                out.append(
+                    {
+                        "key": f"{prefix}{name}",
+                        "value": value,
+                        "default": field.get_default(call_default_factory=True),
+                        "description": field.description or "",
+                    }
+                )
+        return out
+
+    return walk(RunConfig, cfg, "")
+
+
+def settings_text(cfg: RunConfig | None = None, changed_only: bool = False) -> str:
+    """``settings`` as lines a user can copy as ``key=value``: the value, then the meaning
+    and (where the value differs) the default as a comment; ``changed_only``: the settings
+    whose value is not the default."""
+    import textwrap
+
+    lines = []
+    for s in settings(cfg):
+        if changed_only and s["value"] == s["default"]:
+            continue
+        value = yaml.safe_dump(s["value"], default_flow_style=True).strip().removesuffix("...")
+        value = value.strip()
+        lines.append(f"{s['key']}={value}")
+        note = s["description"]
+        if s["value"] != s["default"]:
+            note += f" (default {s['default']!r})"
+        lines += textwrap.wrap(note, 100, initial_indent="    # ", subsequent_indent="    # ")
+    return "\n".join(lines)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -320,7 +379,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def parse_scalar(raw: str) -> Any:
     """A ``key=value`` value as YAML would read it, plus ``1e-3`` as a float (YAML 1.1
-    needs ``1.0e-3``); anything unparsable stays a string for the model to judge."""
+    needs ``1.0e-3``); anything unparsable stays a string for the model to judge, and so
+    does ``a: b`` (a mapping only in braces: ``rollout.harness=cmd: python agent.py``)."""
     if not raw.strip():
         return None
     try:
@@ -332,6 +392,8 @@ def parse_scalar(raw: str) -> Any:
             return float(value)
         except ValueError:
             return value
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        return raw.strip()  # `cmd: python agent.py` is a string, not a YAML mapping
     return value
 
 

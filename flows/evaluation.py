@@ -13,22 +13,21 @@ rollout, in colocate) through the executor's door and evaluates it.
 After the run, ``learning_summary`` reads the ``evals`` view back: ``reward_before`` (the
 first version evaluated), ``reward_after`` (the last), their standard errors over the
 held-out tasks, the curve, and per task the reward before and after (for ``repo``: the
-hidden-test pass fraction); ``write_learning`` draws the curve (matplotlib, Agg) into
-``runs/<run_id>/learning.png`` and writes ``summary.json`` beside it, both also as Prefect
-artifacts.
+hidden-test pass fraction); ``write_learning`` draws the curve (matplotlib, Agg: held-out and training reward,
+loss and policy lag per step) into ``runs/<run_id>/learning.png`` and writes
+``summary.json`` beside it, and one Prefect artifact with the picture embedded.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import dask
 
+from flows.progress import artifact_key, figure_png, image_markdown, run_artifact
 from storage.sql import query
 from storage.store import Store
 from tasks.env.heldout import eval_seeds, eval_versions, mean_and_se
@@ -226,16 +225,23 @@ def learning_summary(store: Store, run_id: str) -> dict[str, Any]:
     }
 
 
-def curve_png(curve: list[dict[str, Any]], train: list[dict[str, Any]], title: str) -> bytes:
-    """The learning curve: held-out reward (mean +- one standard error over the held-out
-    tasks) and the training rollouts' mean reward, against optimizer steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def learning_figure(
+    curve: list[dict[str, Any]],
+    train: list[dict[str, Any]],
+    title: str,
+    steps: list[dict[str, Any]] | None = None,
+):
+    """The learning curve as a matplotlib figure, against optimizer steps. Top: held-out
+    reward (greedy, mean +- one standard error over the held-out tasks) and the training
+    rollouts' mean reward (sampled). Bottom (when ``steps`` rows are given): the training
+    loss, and the policy lag of the trained tokens on a second axis. Every axis labelled,
+    every panel with a legend."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(6.4, 3.8), dpi=100)
-    ax = fig.add_subplot()
+    panels = 2 if steps else 1
+    fig = Figure(figsize=(6.4, 3.8 if panels == 1 else 6.0), dpi=100)
+    ax = fig.add_subplot(panels, 1, 1)
     xs = [c["step"] for c in curve]
     ys = [c["reward"] for c in curve]
     se = [c["se"] for c in curve]
@@ -253,16 +259,38 @@ def curve_png(curve: list[dict[str, Any]], train: list[dict[str, Any]], title: s
             alpha=0.7,
             label="training rollouts (sampled), mean",
         )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("optimizer steps")
     ax.set_ylabel("reward")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(title, fontsize=9)
+    if steps:
+        lo = fig.add_subplot(panels, 1, 2, sharex=ax)
+        sx = [r["step"] for r in steps]
+        (a,) = lo.plot(sx, [r["loss"] for r in steps], ".-", color="tab:red", label="loss")
+        lo.set_xlabel("optimizer steps")
+        lo.set_ylabel("training loss")
+        lo.grid(alpha=0.3)
+        lag = lo.twinx()
+        (b,) = lag.plot(sx, [r["lag_mean"] or 0.0 for r in steps], ".--", color="tab:green",
+                        label="policy lag of trained tokens, mean")  # fmt: skip
+        lag.set_ylabel("policy lag (versions)")
+        lag.set_ylim(bottom=0)
+        lo.legend(handles=[a, b], loc="upper right", fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return fig
+
+
+def curve_png(
+    curve: list[dict[str, Any]],
+    train: list[dict[str, Any]],
+    title: str,
+    steps: list[dict[str, Any]] | None = None,
+) -> bytes:
+    """``learning_figure`` as PNG bytes."""
+    return figure_png(learning_figure(curve, train, title, steps))
 
 
 def _curve_markdown(s: dict[str, Any]) -> str:
@@ -302,33 +330,29 @@ def write_learning(store: Store, run_id: str, summary: dict[str, Any]) -> dict[s
             f"SELECT step, avg(reward) AS reward FROM rollouts WHERE run_id = '{rid}' "
             "GROUP BY 1 ORDER BY 1",
         ).to_pylist()
+        steps = query(
+            store,
+            f"SELECT step, loss, lag_mean FROM steps WHERE run_id = '{rid}' ORDER BY step",
+        ).to_pylist()
         title = (
             f"{run_id}: held-out {learned['reward_before']:.2f} -> {learned['reward_after']:.2f}"
         )
-        store.write_bytes(f"{rel}/learning.png", curve_png(learned["curve"], train, title))
+        picture = curve_png(learned["curve"], train, title, steps)
+        store.write_bytes(f"{rel}/learning.png", picture)
         out.update(
             {k: learned[k] for k in ("reward_before", "reward_after", "reward_gain", "eval_tasks")}
         )
         out["curve"] = " ".join(f"{c['step']}:{c['reward']:.3f}" for c in learned["curve"])
     full = {**out, **({"learning": learned} if learned else {})}
     store.write_bytes(f"{rel}/summary.json", json.dumps(full, indent=2, default=str).encode())
-    try:
-        from prefect.artifacts import create_image_artifact, create_markdown_artifact
-        from prefect.context import FlowRunContext
+    from prefect.context import FlowRunContext
 
-        if learned and FlowRunContext.get() is not None:  # artifacts belong to a flow run
-            create_markdown_artifact(
-                key="learning-curve",
-                markdown=f"## held-out reward of {run_id}\n\n{_curve_markdown(learned)}\n\n"
-                f"Curve: `{store.full_url(rel)}/learning.png`",
-                description=f"gyre {run_id}: held-out evaluation",
-            )
-            if store.protocol == "file":
-                create_image_artifact(
-                    image_url=Path(store.path(rel, "learning.png")).resolve().as_uri(),
-                    key="learning-curve-png",
-                    description=f"gyre {run_id}: held-out reward per step",
-                )
-    except Exception as exc:  # an artifact is a convenience; the files are the record
-        log.warning("learning artifacts not created: %s", exc)
+    if learned and FlowRunContext.get() is not None:  # artifacts belong to a flow run
+        run_artifact(
+            artifact_key("gyre-learning", run_id),
+            f"## held-out reward of {run_id}\n\n{image_markdown(picture, 'learning curve')}"
+            f"\n\n{_curve_markdown(learned)}\n\nFiles: `{store.full_url(rel)}/learning.png`, "
+            f"`{store.full_url(rel)}/summary.json`",
+            f"gyre {run_id}: held-out evaluation",
+        )
     return out

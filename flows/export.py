@@ -20,6 +20,11 @@ Columns (the ``*_ids``/``*_mask``/``*_logprobs`` lists are aligned token by toke
 | ``weight_versions`` | policy version that generated each response token (-1 where masked) |
 | ``reward`` | the rollout's reward (declared aggregation of its sub-task scores) |
 | ``advantage`` | the branch's advantage (``--advantage``: grpo = group-normalised reward) |
+| ``prompt_text``, ``response_text`` | the two token lists decoded with the run's own tokenizer (its v0 checkpoint), special tokens kept; null for a run without checkpoints |
+
+A ``gyre serve`` run exports too: its sessions that no ``gyre run --from-served`` pass used
+yet come out with ``step`` -1, one group per ``group_id``, their reward the weighted mean of
+the scores posted for them (0 when none was).
 
 A branch shares its prefix with its siblings; trained flat, the shared tokens are
 trained once per branch (what gyre's tree packing avoids).
@@ -33,10 +38,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.checkpoints import versions
 from storage.store import Store
 from storage.tito_log import table_to_records
 from tasks.trajectory.sampler import build_samples
-from tasks.trajectory.scoring import Score
+from tasks.trajectory.scoring import Score, score_rollout
 from tasks.trajectory.tree import build_trees
 
 FORMATS = ("parquet",)
@@ -55,6 +61,8 @@ EXPORT_SCHEMA = pa.schema(
         ("weight_versions", pa.list_(pa.int64())),
         ("reward", pa.float64()),
         ("advantage", pa.float64()),
+        ("prompt_text", pa.string()),
+        ("response_text", pa.string()),
     ]
 )
 
@@ -65,9 +73,6 @@ class ExportError(RuntimeError):
 
 def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[dict]:
     """One row per branch of every session of ``run_id`` (see the module docstring)."""
-    rollouts = [r for r in store.read("rollouts").to_pylist() if r["run_id"] == run_id]
-    if not rollouts:
-        raise ExportError(f"no rollouts of run {run_id!r} in {store.url}; check the run id")
     tito = store.read("tito")
     records = [r for r in table_to_records(tito) if r.run_id == run_id]
     scores = [
@@ -75,6 +80,10 @@ def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[d
         for s in store.read("scores").to_pylist()
         if s["run_id"] == run_id
     ]
+    rollouts = [r for r in store.read("rollouts").to_pylist() if r["run_id"] == run_id]
+    rollouts += _served(run_id, records, scores, {r["session_id"] for r in rollouts})
+    if not rollouts:
+        raise ExportError(f"no rollouts of run {run_id!r} in {store.url}; check the run id")
     parents = {r["session_id"]: r["parent_session_id"] for r in rollouts if r["parent_session_id"]}
     trees = build_trees(records, session_parents=parents)
     rows = []
@@ -97,7 +106,31 @@ def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[d
         )
         for s in samples:
             rows.append(_row(s))
+    if rows and versions(store, run_id):  # text needs the run's tokenizer (its v0)
+        from storage.transcripts import tokenizer
+
+        tok = tokenizer(store, run_id)
+        for r in rows:
+            r["prompt_text"] = tok.decode(r["prompt_ids"], skip_special_tokens=False)
+            r["response_text"] = tok.decode(r["response_ids"], skip_special_tokens=False)
     return rows
+
+
+def _served(run_id: str, records, scores: list[Score], known: set[str]) -> list[dict]:
+    """Pseudo-rollouts of the sessions with calls but no ``rollouts`` row (a ``gyre serve``
+    run's sessions no pass trained on yet): step -1, group by ``group_id`` is unknown here
+    (one group), reward the weighted mean of their scores (0 without any)."""
+    sids = sorted({r.session_id for r in records} - known)
+    return [
+        {
+            "session_id": sid,
+            "group_id": "",
+            "step": -1,
+            "reward": score_rollout(run_id, sid, scores).reward,
+            "parent_session_id": None,
+        }
+        for sid in sids
+    ]
 
 
 def _row(s) -> dict:

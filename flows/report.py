@@ -1,18 +1,17 @@
 """Per-run scheduling report: a role timeline PNG and a utilisation table.
 
 Both are built from the executor's timeline (the same events that went to the ``cells``
-dataset) and written to the run directory and as Prefect artifacts. The PNG is drawn
-without a plotting library (PNG is a zlib stream of RGB rows): one band per cell, time
-left to right, coloured by role; darker orange where the cell was inside an optimizer step;
-a black tick where the scheduler decided a role change.
+dataset) and written to the run directory and as one Prefect artifact (the PNG embedded).
+The PNG (matplotlib, Agg): one band per cell named on the y axis, seconds on the x axis,
+coloured by role; darker orange where the cell was inside an optimizer step; a black tick
+where the scheduler decided a role change; a legend and a title.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
-from pathlib import Path
 from typing import Any
+
+from flows.progress import artifact_key, figure_png, image_markdown, run_artifact
 
 COLOURS = {
     "rollout": (66, 133, 244),  # blue
@@ -82,42 +81,62 @@ def utilisation(timeline, cell_ids: list[str], end: float) -> list[dict[str, Any
     return rows
 
 
-def png(timeline, n_cells: int, end: float, width: int = 900, band: int = 28) -> bytes:
-    """The role timeline as PNG bytes (cells top to bottom, time left to right)."""
-    roles, steps, marks = intervals(timeline, n_cells, end)
-    gap = 4
-    height = n_cells * (band + gap) + gap
-    px = [[(255, 255, 255)] * width for _ in range(height)]
-    scale = width / max(end, 1e-9)
+def roles_figure(timeline, cell_ids: list[str], end: float, title: str = ""):
+    """The role timeline as a matplotlib figure: one band per cell (named on the y axis),
+    seconds since the loop started on the x axis, coloured by role, the optimizer steps as
+    a dark inner bar, a black tick per role change decided; a legend and a title."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    def fill(y0: int, y1: int, t0: float, t1: float, rgb) -> None:
-        x0, x1 = int(t0 * scale), max(int(t0 * scale) + 1, int(t1 * scale))
-        for y in range(y0, y1):
-            row = px[y]
-            for x in range(max(0, x0), min(width, x1)):
-                row[x] = rgb
-
-    for i in range(n_cells):
-        y0 = gap + i * (band + gap)
+    n = len(cell_ids)
+    roles, steps, marks = intervals(timeline, n, end)
+    fig = Figure(figsize=(9.0, 1.6 + 0.45 * n), dpi=100)
+    ax = fig.add_subplot()
+    rgb = {k: tuple(c / 255 for c in v) for k, v in COLOURS.items()}
+    seen: set[str] = set()
+    for i in range(n):
+        y = n - 1 - i  # the first cell on top
         for t0, t1, role in roles[i]:
-            fill(y0, y0 + band, t0, t1, COLOURS.get(role, (255, 0, 255)))
-        for t0, t1 in steps[i]:
-            fill(y0 + band // 4, y0 + band - band // 4, t0, t1, COLOURS["step"])
-        for t in marks[i]:
-            fill(y0, y0 + band, t, t + 1 / scale, (0, 0, 0))
-    raw = b"".join(b"\x00" + bytes(c for rgb in row for c in rgb) for row in px)
+            ax.broken_barh([(t0, max(t1 - t0, 1e-9))], (y - 0.4, 0.8),
+                           facecolors=rgb.get(role, (1, 0, 1)), edgecolors="none")  # fmt: skip
+            seen.add(role)
+        if steps[i]:
+            ax.broken_barh([(t0, t1 - t0) for t0, t1 in steps[i]], (y - 0.2, 0.4),
+                           facecolors=rgb["step"], edgecolors="none")  # fmt: skip
+            seen.add("step")
+        if marks[i]:
+            ax.vlines(marks[i], y - 0.45, y + 0.45, colors="black", linewidth=1.2)
+    ax.set_yticks(range(n), list(reversed(cell_ids)))
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_xlim(0, max(end, 1e-9))
+    ax.set_xlabel("seconds since the loop started")
+    ax.set_ylabel("cell")
+    ax.grid(axis="x", alpha=0.3)
+    labels = {
+        "rollout": "rollout (serving)",
+        "train": "train (idle)",
+        "step": "in an optimizer step",
+        "draining": "draining",
+        "loading": "loading weights",
+    }
+    handles: list = [
+        Patch(facecolor=rgb[k], edgecolor="grey", label=v) for k, v in labels.items() if k in seen
+    ]
+    if any(marks):
+        handles.append(Line2D([], [], color="black", label="role change decided"))
+    if not handles:  # an empty timeline still says what the colours would mean
+        handles = [Patch(facecolor=rgb[k], label=v) for k, v in labels.items()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / max(n, 1)),
+              ncol=min(len(handles), 6), fontsize=8, frameon=False)  # fmt: skip
+    ax.set_title(title or "cells over time, by role", fontsize=10)
+    fig.tight_layout()
+    return fig
 
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        body = tag + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(raw, 6))
-        + chunk(b"IEND", b"")
-    )
+def png(timeline, cell_ids: list[str], end: float, title: str = "") -> bytes:
+    """The role timeline (``roles_figure``) as PNG bytes."""
+    return figure_png(roles_figure(timeline, cell_ids, end, title))
 
 
 def table_markdown(rows: list[dict[str, Any]], stats: Any, seconds: float) -> str:
@@ -147,33 +166,28 @@ def table_markdown(rows: list[dict[str, Any]], stats: Any, seconds: float) -> st
 
 def write_report(ex, store, run_id: str, seconds: float, mode: str) -> dict:
     """Write ``runs/{run_id}/roles.png`` and ``utilisation.md`` into the store (the run's
-    directory) and create them as Prefect artifacts."""
+    directory) and create them as Prefect artifacts of the run (keys per run); the PNG is
+    embedded in the markdown (a data URI) so that the UI shows it wherever the store is."""
     cell_ids = [ex.cell_id(i) for i in range(len(ex.addrs))]
     end = max([e["t"] for e in ex.timeline] + [seconds])
     rows = utilisation(ex.timeline, cell_ids, end)
     md = table_markdown(rows, ex.stats, seconds)
     rel = f"runs/{run_id}"
-    store.write_bytes(f"{rel}/roles.png", png(ex.timeline, len(cell_ids), end))
+    picture = png(ex.timeline, cell_ids, end, f"{run_id} ({mode}): cells over time, by role")
+    store.write_bytes(f"{rel}/roles.png", picture)
     store.write_bytes(f"{rel}/utilisation.md", f"# {run_id} ({mode})\n\n{md}\n".encode())
     out = store.full_url(rel)
     summary = (
         f"{ex.stats.switches} switches, {ex.stats.sessions_rerouted} sessions rerouted, "
         f"{ex.stats.kv_moved} KV moves"
     )
-    try:
-        from prefect.artifacts import create_image_artifact, create_markdown_artifact
-
-        create_markdown_artifact(
-            key="cell-utilisation",
-            markdown=f"## cells of {run_id} ({mode})\n\n{md}\n\nTimeline: `{out}/roles.png`",
-            description=f"gyre {run_id}: roles and utilisation",
-        )
-        if store.protocol == "file":
-            create_image_artifact(
-                image_url=Path(store.path(rel, "roles.png")).resolve().as_uri(),
-                key="role-timeline",
-                description=f"gyre {run_id}: cells x time, coloured by role. {LEGEND}",
-            )
-    except Exception as exc:  # an artifact is a convenience; the files are the record
-        summary += f" (artifact not created: {exc})"
+    markdown = (
+        f"## cells of {run_id} ({mode})\n\n{image_markdown(picture, 'role timeline')}\n\n"
+        f"{md}\n\nFiles: `{out}/roles.png`, `{out}/utilisation.md`"
+    )
+    problem = run_artifact(
+        artifact_key("gyre-cells", run_id), markdown, f"gyre {run_id}: roles and utilisation"
+    )
+    if problem:  # an artifact is a convenience; the files are the record
+        summary += f" (artifact not created: {problem})"
     return {"summary": summary, "rows": rows, "dir": out, "markdown": md}

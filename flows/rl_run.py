@@ -26,15 +26,15 @@ from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
 from flows import live
-from flows.config import PRESETS, RunConfig, load_config
+from flows.config import PRESETS, RunConfig, load_config, preset_help
 from flows.evaluation import write_learning
 from flows.preflight import checked
 from flows.procs import forget, record_children
-from flows.progress import artifact_key, config_markdown, rounded, summary_markdown
+from flows.progress import artifact_key, config_markdown, plain, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
-from infra.cells.cluster import default_worker_env, start_cells
+from infra.cells.cluster import default_worker_env, quiet_completed_tasks, start_cells
 from infra.engine.pretrained import prepare
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
@@ -64,11 +64,8 @@ def _totals(store: Store, run_id: str) -> dict[str, Any]:
         f"FROM steps WHERE run_id = '{rid}'",
     ):
         out.update(query(store, sql).to_pylist()[0])
-    # DuckDB sums integers to DECIMAL: plain numbers for the summary and the artifact
-    return {
-        k: (float(v) if hasattr(v, "as_integer_ratio") and not isinstance(v, int) else v)
-        for k, v in out.items()
-    }
+    # DuckDB sums integers to DECIMAL: plain numbers (counts stay integers) for the summary
+    return {k: plain(v) for k, v in out.items()}
 
 
 def _initial_name() -> str:
@@ -107,7 +104,6 @@ def resolve(
     return load_config(config_file=config_file, preset=preset, overrides=over, store=store)
 
 
-@flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=True)
 def rl_run(
     preset: Preset | None = "tiny",
     overrides: list[str] | None = None,
@@ -120,7 +116,7 @@ def rl_run(
     """One RL run of a task suite: validated settings, cells, engines, gateway, loop.
 
     Args:
-        preset: starting settings: tiny (2 steps, about a minute) or demo (8 steps).
+        preset: starting settings: {presets}.
         overrides: settings as "key=value" strings, applied after the preset, e.g.
             ["train.steps=8", "scheduler.mode=async", "rollout.suite=tools"]
             (every key: `gyre run --help` and flows/config.py).
@@ -144,6 +140,11 @@ def rl_run(
         return _run(cfg, st, run_id, preset, resume, more_steps)
 
 
+# the Run form's help of `preset` says what each preset is, from the presets themselves
+rl_run.__doc__ = (rl_run.__doc__ or "").replace("{presets}", preset_help())
+rl_run = flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=True)(rl_run)
+
+
 def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
     """The checkpoint a run starts from: ``model.path``; the pretrained ``model.name``
     (prepared on first use); the warm start; else the tiny model."""
@@ -151,7 +152,7 @@ def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
         return cfg.model.path
     if cfg.model.name is not None:
         return prepare(cfg.model.name, say=say)
-    return warm_start_for(cfg) or make_tiny_model(seed=cfg.model.seed)
+    return warm_start_for(cfg, say=say) or make_tiny_model(seed=cfg.model.seed)
 
 
 def _run(
@@ -159,6 +160,7 @@ def _run(
 ) -> dict[str, Any]:
     """The run's body, while this process holds the run's lease."""
     logger = get_run_logger()
+    quiet_completed_tasks()  # the tasks that run in this process (sub-flows' glue)
     t0 = time.monotonic()
     model_dir = model_dir_of(cfg, say=logger.info)
     spool = spool_dir(st.url, run_id)

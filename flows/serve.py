@@ -142,8 +142,11 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
     from infra.engine.server import EngineServer
     from infra.engine.tiny_model import make_tiny_model
     from infra.gateway.gateway import Gateway
+    from storage.checkpoints import publish_checkpoint, versions
 
     model_dir = model or make_tiny_model()
+    if not versions(store, run_id):  # the run's v0: the tokenizer its tokens decode with,
+        publish_checkpoint(store, run_id, model_dir, 0)  # and where --from-served starts
     engine = Engine(model_dir, cell_id="serve")
     server = EngineServer(engine)
     token = secrets.token_urlsafe(24)
@@ -165,9 +168,18 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
         _write_record(rec)
         print(f"gyre serve: model {model_dir}")
         print(f"  base URL     {url}/v1   (OpenAI-compatible; native /generate at {url}/generate)")
+        print(
+            f"  model name   {gw.model_name}   (send model={gw.model_name!r}; other names get 404)"
+        )
         print(f"  store        {store.url}  (run_id {run_id}; log of answered calls in {spool})")
         print("  session key  gyre session new      (prints a session id and its API key)")
-        print(f'  inspect      gyre sql --store {store.url} "SELECT * FROM tito"')
+        print(f"  admin token  in {rec.path} (gyre session new reads it there)")
+        print(f"  score        POST {url}/gyre/scores with the session's key, e.g. "
+              '{"subtask_id": "answer", "score": 1.0}')  # fmt: skip
+        print(f"  train        stop this server, then gyre run --from-served {run_id} "
+              f"--store {store.url}")  # fmt: skip
+        print(f'  inspect      gyre sql --store {store.url} "SELECT * FROM calls"   '
+              "(rows appear within ~2 s of an answer: the log flushes every 2 s)")  # fmt: skip
         print("Ctrl-C or SIGTERM to stop.", flush=True)
         stop.wait()
         print("gyre serve: stopping (flushing answered calls to the store)", flush=True)
@@ -205,7 +217,13 @@ def new_session(url: str | None, admin_token: str | None, port: int | None) -> d
     if r.status_code != 200:
         raise ServeError(f"the gateway at {url} refused: {r.status_code} {r.text}")
     body = r.json()
-    return {"session_id": body["session_id"], "api_key": body["api_key"], "base_url": f"{url}/v1"}
+    return {
+        "session_id": body["session_id"],
+        "api_key": body["api_key"],
+        "base_url": f"{url}/v1",
+        "model": "gyre",  # the model name the gateway serves (infra/gateway/core.py)
+        "scores_url": f"{url}/gyre/scores",
+    }
 
 
 def main_serve(args) -> int:

@@ -68,7 +68,7 @@ class WarmStartConfig(BaseModel):
 
     enabled: bool = Field(False, description="start the run from a supervised warm start")
     steps: int = Field(100, ge=1, le=100_000, description="AdamW steps of the supervised pass")
-    lr: float = Field(3e-3, gt=0, le=1.0)
+    lr: float = Field(3e-3, gt=0, le=1.0, description="AdamW learning rate of the pass")
     batch_size: int = Field(16, ge=1, le=4096, description="demonstrations per step")
     demos: int = Field(512, ge=1, le=1_000_000, description="distinct demonstrations")
     difficulty: int | None = Field(
@@ -141,10 +141,14 @@ def build_warmstart(
     model_seed: int = 0,
     out: str | os.PathLike | None = None,
     force: bool = False,
+    say: Any = None,
+    progress: Any = None,
 ) -> tuple[str, dict[str, Any]]:
     """The warm-start checkpoint for these settings: (directory, its ``warm_start.json``).
 
     Returned as is when ``out`` (default: the cache) already holds it, unless ``force``.
+    ``say``: a line before a build starts (it takes minutes); ``progress``: a stream for
+    the build's progress bar (steps and loss).
     """
     import torch
 
@@ -161,6 +165,11 @@ def build_warmstart(
             raise WarmStartError(f"{dest} holds another warm start; remove it")
         force = True  # an explicit --out with other settings: rebuild it
     base = make_tiny_model(seed=model_seed)
+    if say is not None:
+        say(
+            f"building the warm start: {cfg.steps} supervised steps on {cfg.demos} {suite} "
+            f"demonstrations (once; cached in {dest})"
+        )
     t0 = time.monotonic()
     demos = demonstrations(suite, difficulty, subtasks, cfg.demos)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +186,7 @@ def build_warmstart(
             lr=cfg.lr,
             batch_size=cfg.batch_size,
             seed=cfg.seed,
+            progress=progress,
         )
         meta = json.loads((tmp / META_FILE).read_text())
         meta.update(
@@ -204,8 +214,11 @@ def build_warmstart(
     return str(dest), {**meta, "cached": False}
 
 
-def for_run(cfg: Any) -> str | None:
-    """The run's initial model when ``cfg.warmstart.enabled`` (built on first use), else None."""
+def for_run(cfg: Any, say: Any = None) -> str | None:
+    """The run's initial model when ``cfg.warmstart.enabled`` (built on first use, saying so
+    through ``say``, with a progress bar on stderr), else None."""
+    import sys
+
     ws = cfg.warmstart
     if not ws.enabled:
         return None
@@ -216,6 +229,8 @@ def for_run(cfg: Any) -> str | None:
         difficulty=r.difficulty if ws.difficulty is None else ws.difficulty,
         subtasks=ws.subtasks or r.subtasks,
         model_seed=cfg.model.seed,
+        say=say,
+        progress=sys.stderr,
     )
     return path
 
@@ -256,6 +271,8 @@ def main_warmstart(args: Any) -> int:
             model_seed=args.model_seed,
             out=args.out,
             force=args.force,
+            say=lambda line: print(f"gyre warmstart: {line}", file=sys.stderr, flush=True),
+            progress=sys.stderr,
         )
     except (WarmStartError, SuiteError) as exc:
         print(f"gyre warmstart: {exc}", file=sys.stderr)

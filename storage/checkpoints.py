@@ -114,6 +114,36 @@ def fetch_checkpoint(
     return dest
 
 
+def fetch_tokenizer(store: Store, run_id: str, cache_dir: str | None = None) -> str:
+    """A local directory with the tokenizer (and config) of ``run_id``'s first checkpoint:
+    the model its calls were tokenised with. A local store's own directory; from a bucket,
+    the small files only (no weights), cached."""
+    vs = versions(store, run_id)
+    if not vs:
+        raise FileNotFoundError(
+            f"run {run_id!r} has no checkpoint in {store.url}, so no tokenizer to decode its "
+            "tokens with (a `gyre run` publishes v0 at its start, a `gyre serve` too)"
+        )
+    rel = checkpoint_relpath(run_id, vs[0])
+    if store.protocol == "file":
+        return store.path(rel)
+    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "gyre-ckpt")
+    dest = os.path.join(cache_dir, store.root.replace("/", "_"), run_id, f"v{vs[0]}-tokenizer")
+    if os.path.exists(os.path.join(dest, _MARK)):
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=f".v{vs[0]}-tok-")
+    try:
+        for name in store.listdir(rel):
+            if name.endswith((".json", ".jinja", ".model", ".txt")) or name == _MARK:
+                with open(os.path.join(tmp, name), "wb") as fh:
+                    fh.write(store.read_bytes(f"{rel}/{name}"))
+        _rename_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def _rename_into_place(tmp: str, dest: str) -> None:
     """Rename the complete directory ``tmp`` to ``dest`` unless a complete ``dest`` is there
     already (then ``tmp`` is left for the caller to drop). An incomplete ``dest`` (an

@@ -1,7 +1,9 @@
 """DuckDB over the store: one read-only view per dataset.
 
 Views: ``tito``, ``nodes``, ``scores``, ``rollouts``, ``samples``, ``steps``,
-``ledger``, ``cells``, ``evals`` (schemas in storage/schemas.py). Parquet on S3 is read
+``ledger``, ``cells``, ``evals`` (schemas in storage/schemas.py), and the text views
+``calls`` and ``transcripts`` with the function ``detokenize(run_id, ids)``
+(storage/transcripts.py). Parquet on S3 is read
 through the store's s3fs file system registered with DuckDB (no httpfs
 extension needed). Connections are short-lived and in-memory, so queries never
 contend for a database file lock with a running flow.
@@ -31,6 +33,8 @@ import pyarrow as pa
 
 from storage.schemas import SCHEMAS
 from storage.store import Store
+from storage.transcripts import TEXT_VIEWS
+from storage.transcripts import register as register_text
 
 VIEWS = tuple(SCHEMAS)
 
@@ -76,6 +80,7 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
             empty: pa.Table = SCHEMAS[name].empty_table()
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+    register_text(con, store)  # detokenize(), calls, transcripts (storage/transcripts.py)
     return con
 
 
@@ -128,7 +133,7 @@ def query(store: Store, sql: str) -> pa.Table:
         except duckdb.Error as exc:
             if _quarantine_named_segment(store, exc):
                 continue
-            raise SqlError(f"{exc}\nviews: {', '.join(VIEWS)}") from exc
+            raise SqlError(f"{exc}\nviews: {', '.join(VIEWS + TEXT_VIEWS)}") from exc
         finally:
             con.close()
     raise SqlError(f"more than {MAX_QUARANTINES_PER_QUERY} corrupt segments: check {store.url}")
@@ -161,7 +166,7 @@ def format_table(table: pa.Table, fmt: str = "table", max_width: int = 60) -> st
         import io
 
         buf = io.StringIO()
-        w = csv.writer(buf)
+        w = csv.writer(buf, lineterminator="\n")  # LF, as every other line gyre prints
         w.writerow(cols)
         for r in rows:
             w.writerow([_cell(r[c], 10**9) for c in cols])

@@ -18,7 +18,9 @@ class ClusterConfig(BaseModel):
 
     rollout_cells: int = Field(1, ge=1, description="cells holding an engine")
     train_cells: int = Field(1, ge=1, description="cells holding a trainer replica")
-    threads_per_cell: int = Field(2, ge=1)
+    threads_per_cell: int = Field(
+        2, ge=1, description="threads of each cell's worker process (torch and the engine)"
+    )
     memory_limit: str = Field(
         "6GiB", description="per cell, as dask reads it: 6GiB, 512MB, auto, or 0 for no limit"
     )

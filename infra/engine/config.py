@@ -20,9 +20,13 @@ class ModelConfig(BaseModel):
         description=f"a pretrained model gyre prepares itself ({', '.join(NAMES)}): its "
         "checkpoint in the model cache, made on first use (`gyre model prepare`)",
     )
-    seed: int = 0
-    max_batch_size: int = Field(16, ge=1)
-    kv_cache_tokens: int = Field(262_144, ge=1024)
+    seed: int = Field(0, description="seed of the tiny model's initial weights")
+    max_batch_size: int = Field(
+        16, ge=1, description="requests an engine decodes together (continuous batching)"
+    )
+    kv_cache_tokens: int = Field(
+        262_144, ge=1024, description="an engine's KV cache budget in tokens (radix cache included)"
+    )
     audit_dir: str | None = Field(
         None,
         description="each engine appends every request it receives (rid, input ids) to "

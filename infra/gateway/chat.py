@@ -242,7 +242,7 @@ _MESSAGES = TypeAdapter(list[ChatMessage])
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Validated messages as the chat template sees them: fields that are null dropped, null
-    content as "", content parts without their null fields."""
+    content as "", content parts without their null fields, ``developer`` as ``system``."""
     out = []
     for m in messages:
         c = m.content
@@ -250,7 +250,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             c = ""
         elif isinstance(c, list):
             c = [{k: v for k, v in part.items() if v is not None} for part in c]
-        msg: dict[str, Any] = {"role": m.role, "content": c}
+        # OpenAI's `developer` role is the system prompt of newer models: one role to the
+        # template, on the Chat path as on the Responses path (infra/gateway/responses.py)
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": c}
         if m.tool_calls:
             msg["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in m.tool_calls]
         if m.__pydantic_extra__:

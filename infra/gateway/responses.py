@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from infra.gateway.chat import ChatTokenizer, apply_stop
-from infra.gateway.wire import ApiError, Body, GenParams, Int64, Stop, _stops, bad, dumps
+from infra.gateway.wire import (
+    ApiError,
+    Body,
+    GenParams,
+    Int64,
+    Stop,
+    _stops,
+    bad,
+    dumps,
+    refuse_unsupported,
+)
 
 if TYPE_CHECKING:
     from infra.gateway.pipeline import Answer, Call
@@ -28,7 +38,8 @@ if TYPE_CHECKING:
 
 
 class ResponsesRequest(Body):
-    """``POST /v1/responses`` (the fields gyre acts on; others are accepted and ignored)."""
+    """``POST /v1/responses`` (the fields gyre acts on; unknown ones are ignored, and those it
+    cannot honour, a forced tool call, a JSON format, reasoning, are refused: 400)."""
 
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
@@ -44,8 +55,14 @@ class ResponsesRequest(Body):
     stop: Stop = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
 
     def gen_params(self) -> GenParams:
+        fmt = (self.text or {}).get("format")
+        refuse_unsupported(
+            self.tool_choice, [("text.format", fmt)], [("reasoning", self.reasoning)]
+        )
         return GenParams(
             max_new_tokens=self.max_output_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,

@@ -20,6 +20,7 @@ from infra.gateway.replies import (
     chat_chunk,
     chat_logprobs,
     completion_body,
+    completion_logprobs,
     native_body,
     sse,
     usage,
@@ -175,16 +176,29 @@ class ChatStream(_OpenAIView):
 
 
 class CompletionStream(_OpenAIView):
-    """``text_completion`` events: text deltas (stop strings held back), then the finish."""
+    """``text_completion`` events: text deltas (stop strings held back), each with the
+    logprobs of the tokens generated since the last chunk when asked (``logprobs=0``;
+    ``text_offset`` counts from the start of the completion), then the finish."""
 
     def __init__(self, tok: ChatTokenizer, call: Call, model: str):
         self.tok, self.call, self.model = tok, call, model
         self.hold = max((len(x) for x in call.gp.stop), default=1) - 1
         self.sent = ""
+        self.sent_lp = 0  # tokens whose logprobs were sent
+        self.offset = 0  # characters of those tokens
 
-    def _chunk(self, text: str, finish: str | None = None) -> bytes:
+    def _chunk(self, text: str, finish: str | None = None, lp: dict | None = None) -> bytes:
         c = self.call
-        return sse(completion_body(c.rid, self.model, text, finish, None, None, c.created))
+        return sse(completion_body(c.rid, self.model, text, finish, None, lp, c.created))
+
+    def _lp(self, out: list[int], lps: list[float]) -> dict | None:
+        if not self.call.gp.logprobs or len(out) <= self.sent_lp:
+            return None
+        strs = [self.tok.token_str(t) for t in out[self.sent_lp :]]
+        lp = completion_logprobs(strs, lps[self.sent_lp : len(out)])
+        lp["text_offset"] = [self.offset + o for o in lp["text_offset"]]
+        self.sent_lp, self.offset = len(out), self.offset + sum(len(x) for x in strs)
+        return lp
 
     def head(self) -> list[bytes]:
         return []
@@ -194,11 +208,11 @@ class CompletionStream(_OpenAIView):
         if not (text.startswith(self.sent) and len(text) > len(self.sent)):
             return []
         delta, self.sent = text[len(self.sent) :], text
-        return [self._chunk(delta)]
+        return [self._chunk(delta, None, self._lp(out, lps))]
 
     def tail(self, a: Answer) -> list[bytes]:
         rest = a.text[len(self.sent) :] if a.text.startswith(self.sent) else ""
-        out = [self._chunk(rest, a.finish_reason)]
+        out = [self._chunk(rest, a.finish_reason, self._lp(a.res.output_ids, a.res.logprobs))]
         if self.call.gp.include_usage:
             c = self.call
             use = usage(c.n_in, len(a.res.output_ids), a.res.cached_tokens)

@@ -245,6 +245,40 @@ class OpenAISampling(Body):
         )
 
 
+def refuse_unsupported(
+    tool_choice: Any, formats: list[tuple[str, Any]], reasoning: list[tuple[str, Any]]
+) -> None:
+    """Refuse (400) what gyre would otherwise ignore and so answer wrongly: a forced tool
+    call (``tool_choice`` "required" or a named function), a constrained output format
+    (JSON mode, a JSON schema), a reasoning setting. The policy's tokens are sampled as
+    they come, never constrained; a harness asks for these in the prompt and checks the
+    answer itself. ``formats``/``reasoning``: (parameter, value) pairs as sent."""
+    if tool_choice not in (None, "auto", "none"):
+        raise bad(
+            f"tool_choice={dumps(tool_choice).decode()} is not supported: gyre cannot force a "
+            "tool call (the policy's tokens are sampled, never constrained); use 'auto' and "
+            "ask for the tool in the prompt",
+            "tool_choice",
+        )
+    for param, fmt in formats:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        if kind not in (None, "text"):
+            raise bad(
+                f"{param} type {kind!r} is not supported: gyre does not constrain the "
+                "policy's output to a format; ask for JSON in the prompt and parse the text",
+                param,
+            )
+    for param, value in reasoning:
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None} or None
+        if value is not None:
+            raise bad(
+                f"{param} is not supported: the served policy has no reasoning settings; "
+                "leave it out",
+                param,
+            )
+
+
 class ChatRequest(OpenAISampling):
     """``POST /v1/chat/completions``."""
 
@@ -255,7 +289,15 @@ class ChatRequest(OpenAISampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
 
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
     def gen_params(self) -> GenParams:
+        refuse_unsupported(
+            self.tool_choice,
+            [("response_format", self.response_format)],
+            [("reasoning_effort", self.reasoning_effort)],
+        )
         if self.top_logprobs:
             raise bad(
                 "top_logprobs > 0 is not supported (the sampled token's logprob is)", "top_logprobs"

@@ -33,13 +33,21 @@ class RolloutConfig(BaseModel):
     context_tokens: int = Field(
         0, ge=0, description="compact the context when a call's tokens pass this (0 = never)"
     )
-    context_policy: Literal["summarize", "truncate"] = "summarize"
+    context_policy: Literal["summarize", "truncate"] = Field(
+        "summarize",
+        description="how the harness compacts a context past context_tokens: summarize the "
+        "old turns, or truncate them",
+    )
     isolation: Literal["auto", "namespaces", "rlimits"] = Field(
         "auto", description="sandbox for agent code (tasks/env/sandbox.py)"
     )
-    max_new_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(
+        16, ge=1, le=4096, description="tokens the policy may generate per call"
+    )
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="sampling temperature of rollouts (0 = greedy)"
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of rollouts")
     timeout_s: float = Field(
         600.0, ge=1.0, le=7 * 24 * 3600.0, description="a session's wall-clock limit"
     )
@@ -51,7 +59,7 @@ class RolloutConfig(BaseModel):
         "fraction of a step's sessions fail (a broken agent or harness: training on nothing "
         "is no success); 1 = never stop for failures",
     )
-    seed: int = 0
+    seed: int = Field(0, description="seed of the training tasks drawn (and sampling)")
     # last: their checks use the options above (pydantic validates fields in order)
     suite: str = Field(
         "arith",

@@ -153,8 +153,10 @@ def assistant_turn(msg) -> dict[str, Any]:
 class CommandHarness:
     """A user's agent as a subprocess: the black box in its purest form.
 
-    Environment: ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``GYRE_TASK_FILE``,
-    ``GYRE_WORKDIR`` (also its cwd), ``GYRE_OUTPUT``; see tasks/env/suite.py for the files.
+    Environment: ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``OPENAI_MODEL`` (the model name
+    to send: ``gyre``), ``GYRE_TASK_FILE``, ``GYRE_WORKDIR`` (also its cwd), ``GYRE_OUTPUT``;
+    see tasks/env/suite.py for the files. The tool calls and answers its report lists are
+    replayed into the environment after it exits (not live while it runs).
     Killed (its whole process group) when the session's time is up.
     """
 
@@ -180,6 +182,7 @@ class CommandHarness:
                 **os.environ,
                 "OPENAI_BASE_URL": ctx.base_url.rstrip("/") + "/v1",
                 "OPENAI_API_KEY": ctx.api_key,
+                "OPENAI_MODEL": ctx.settings.model,  # the name the gateway serves the policy as
                 "GYRE_TASK_FILE": task_file,
                 "GYRE_WORKDIR": env.workdir,
                 "GYRE_OUTPUT": out_file,

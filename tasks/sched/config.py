@@ -46,9 +46,15 @@ class PacingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    decode_step_s: float = Field(0.0, ge=0, le=10)
-    prefill_tokens_per_s: float = Field(0.0, ge=0)
-    train_s_per_token: float = Field(0.0, ge=0, le=10)
+    decode_step_s: float = Field(
+        0.0, ge=0, le=10, description="floor on an engine's decode step, seconds (0 = unpaced)"
+    )
+    prefill_tokens_per_s: float = Field(
+        0.0, ge=0, description="ceiling on prefill speed, tokens/s (0 = unpaced)"
+    )
+    train_s_per_token: float = Field(
+        0.0, ge=0, le=10, description="floor on a trainer's time per token, seconds (0 = unpaced)"
+    )
     env_step_s: float = Field(
         0.0, ge=0, le=600, description="median seconds of one environment step (tool, test)"
     )
@@ -106,7 +112,9 @@ class SchedulerConfig(BaseModel):
     )
     dp_sync_s: float = Field(0.1, ge=0, description="the policy's estimate of DP cost per member")
     pacing: PacingConfig = PacingConfig()
-    seed: int = 0
+    seed: int = Field(
+        0, description="seed of the scheduler's draws (shuffle buffer, simulated workload)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SchedulerConfig:

@@ -13,17 +13,39 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     steps: int = Field(2, ge=1, le=10_000_000, description="optimizer steps of the run")
-    lr: float = Field(1e-3, gt=0, le=1.0)
-    loss: Literal["ppo_clip", "grpo"] = "ppo_clip"
-    advantage: Literal["grpo", "per_subtask"] = "grpo"
-    clip_eps_low: float = Field(0.2, ge=0, le=1)
-    clip_eps_high: float = Field(0.28, ge=0, le=10)
-    max_tokens_per_micro: int = Field(4096, ge=64)
+    lr: float = Field(1e-3, gt=0, le=1.0, description="AdamW learning rate")
+    loss: Literal["ppo_clip", "grpo"] = Field(
+        "ppo_clip",
+        description="token loss: ppo_clip (asymmetric clip), or grpo (symmetric clip, k3 KL "
+        "to the reference)",
+    )
+    advantage: Literal["grpo", "per_subtask"] = Field(
+        "grpo",
+        description="group-relative advantage of the rollout reward, or per sub-task "
+        "(each turn credited by the sub-tasks it served)",
+    )
+    clip_eps_low: float = Field(
+        0.2, ge=0, le=1, description="PPO clip below: ratio >= 1 - clip_eps_low"
+    )
+    clip_eps_high: float = Field(
+        0.28, ge=0, le=10, description="PPO clip above (clip-higher): ratio <= 1 + clip_eps_high"
+    )
+    max_tokens_per_micro: int = Field(
+        4096, ge=64, description="tokens per packed micro-batch (memory per forward pass)"
+    )
     max_staleness: int = Field(1, ge=0, description="policy versions a token may lag")
-    stale_policy: Literal["drop", "is"] = "drop"
-    is_cap: float = Field(2.0, gt=0)
-    reward_aggregation: Literal["weighted_mean", "sum", "min", "all_or_nothing"] = "weighted_mean"
-    seed: int = 0
+    stale_policy: Literal["drop", "is"] = Field(
+        "drop",
+        description="tokens lagging more than max_staleness: dropped, or trained with "
+        "truncated importance sampling (is)",
+    )
+    is_cap: float = Field(
+        2.0, gt=0, description="cap of the truncated importance ratio (stale_policy=is)"
+    )
+    reward_aggregation: Literal["weighted_mean", "sum", "min", "all_or_nothing"] = Field(
+        "weighted_mean", description="sub-task scores -> a rollout's reward"
+    )
+    seed: int = Field(0, description="seed of the trainer (shuffling, init)")
     normalize_std: bool = Field(
         True,
         description="divide group-centred advantages by the group's std (GRPO); "

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tasks.train.trainer import TOKENIZER_FILES
 
@@ -138,13 +139,15 @@ def warm_start(
     weight_decay: float = 0.0,
     max_grad_norm: float | None = 1.0,
     device: str = "cpu",
+    progress: Any = None,
 ) -> WarmStart:
     """Train ``model_dir`` for ``steps`` steps on the assistant tokens of ``conversations``
     and save the result to ``out_dir`` (see the module docstring).
 
     Each step takes the next ``batch_size`` conversations of a seeded shuffle (reshuffled
     every pass) and minimises the mean next-token loss over their assistant tokens (a token
-    mean over the batch). Returns the per-step losses.
+    mean over the batch). Returns the per-step losses. ``progress``: a text stream for a
+    progress bar with the loss (tqdm; a warm start runs minutes), None for none.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +173,8 @@ def warm_start(
     rng = np.random.default_rng(seed)
     order: list[int] = []
     losses = []
+    bar = tqdm(total=steps, desc="warm start", unit="step", file=progress, mininterval=1.0,
+               disable=progress is None)  # fmt: skip
     for step in range(steps):
         batch = []
         while len(batch) < min(batch_size, len(data)):
@@ -188,6 +193,9 @@ def warm_start(
         opt.step()
         losses.append(total)
         log.debug("warm start step %d: loss %.4f", step, total)
+        bar.update(1)
+        bar.set_postfix_str(f"loss {total:.4f}", refresh=False)
+    bar.close()
     if not all(math.isfinite(x) for x in losses):
         raise SftError(f"the loss is not finite ({losses[-1]}): lower lr={lr}")
     out = Path(out_dir)

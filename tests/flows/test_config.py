@@ -112,3 +112,40 @@ def test_sections_reach_tasks_as_their_own_typed_models():
     assert isinstance(cfg.train, TrainConfig) and isinstance(cfg.rollout, RolloutConfig)
     assert cfg.train.advantage == "per_subtask"  # the name a task reads is the name a user sets
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # travels to Dask workers as is
+
+
+def test_every_setting_says_what_it_means():
+    """`gyre config --list` can explain every key: each field of the schema has help text."""
+    from flows.config import _known_keys, settings
+
+    rows = settings()
+    assert [r["key"] for r in rows] == _known_keys(RunConfig)
+    missing = [r["key"] for r in rows if not r["description"].strip()]
+    assert not missing, f"settings without a description: {missing}"
+
+
+def test_gyre_config_list_shows_every_setting_with_the_presets_values(capsys):
+    from flows.cli import main
+    from flows.config import _known_keys, settings
+
+    assert main(["config", "--list", "--preset", "demo", "train.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    keys = [line.split("=", 1)[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert keys == _known_keys(RunConfig)
+    lines = out.splitlines()
+    steps = lines.index("train.steps=50")  # the preset's value, then its meaning and default
+    assert lines[steps + 1] == "    # optimizer steps of the run (default 2)"
+    assert "train.lr=0.01" in lines and "rollout.suite=tools" in lines
+    assert all(r["description"].split()[0] in out for r in settings())
+    # without --list: only what differs from the defaults
+    assert main(["config", "--preset", "demo"]) == 0
+    short = capsys.readouterr().out
+    assert "train.steps=50" in short and "cluster.memory_limit" not in short
+
+
+def test_a_cmd_harness_override_is_a_string_not_a_mapping():
+    cfg = load_config(overrides=["rollout.harness=cmd: python agent.py --x 1"])
+    assert cfg.rollout.harness == "cmd: python agent.py --x 1"
+    assert load_config(overrides=["rollout.harness=cmd:python a.py"]).rollout.harness == (
+        "cmd:python a.py"
+    )

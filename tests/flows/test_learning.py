@@ -6,6 +6,7 @@ tests/flows/test_learning_run.py.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -27,8 +28,14 @@ def _weights(path: str) -> dict:
 def test_warm_start_is_built_once_deterministic_and_loadable(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
-    a, meta = build_warmstart(TINY_WS, suite="tools", difficulty=0, subtasks=1, out=tmp_path / "a")
+    said, bar = [], io.StringIO()
+    a, meta = build_warmstart(TINY_WS, suite="tools", difficulty=0, subtasks=1,
+                              out=tmp_path / "a", say=said.append, progress=bar)  # fmt: skip
     assert not meta["cached"] and meta["steps"] == 2 and meta["conversations"] == 4
+    # minutes of training say so first, then show steps and loss as they go
+    assert len(said) == 1 and "2 supervised steps" in said[0]
+    last = bar.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert "warm start" in last and "2/2" in last and f"loss {meta['final_loss']:.4f}" in last
     assert meta["spec"]["demo_seed0"] == DEMO_SEED0 and meta["seconds"] >= 0
     stamp = (Path(a) / "model.safetensors").stat().st_mtime_ns
     again, meta2 = build_warmstart(

@@ -197,6 +197,19 @@ def test_readme_sql_examples_answer(local_run):
     assert len(queries) >= 5
     sid = query(store, "SELECT session_id FROM nodes WHERE n_children > 1 LIMIT 1")
     sid = sid.to_pylist()[0]["session_id"]
-    answers = [query(store, q.replace("sess-...", sid)).num_rows for q in queries]
+    tables = [query(store, q.replace("sess-...", sid)) for q in queries]
+    answers = [t.num_rows for t in tables]
     by_subtask, saved, _stale, branches, versions = answers[:5]
     assert by_subtask == 2 and saved == 1 and branches >= 1 and versions >= 2
+    # the worst session's transcript reads as text: the arithmetic suite's prompt, the
+    # chat template's role markers, and as many calls as that session made
+    (worst,) = next(t for q, t in zip(queries, tables, strict=True) if "FROM transcripts" in q
+                or "JOIN transcripts" in q).to_pylist()  # fmt: skip
+    (fewest,) = query(store, "SELECT session_id, reward FROM rollouts ORDER BY reward, "
+                      "session_id LIMIT 1").to_pylist()  # fmt: skip
+    assert worst["session_id"] == fewest["session_id"]
+    assert "<|im_start|>user" in worst["text"] and "<|im_start|>assistant" in worst["text"]
+    calls = next(t for q, t in zip(queries, tables, strict=True) if "FROM calls" in q)
+    n = query(store, f"SELECT count(*) AS n FROM tito WHERE session_id = '{worst['session_id']}'")
+    assert calls.num_rows == n.to_pylist()[0]["n"] >= 1
+    assert any("<|im_start|>" in r["input_text"] for r in calls.to_pylist())

@@ -283,6 +283,16 @@ def test_streaming_tool_call_and_completions_and_generate(gateway, cells):
         model="gyre", prompt=[*tok.encode("Once upon a time"), 5, 6], max_tokens=3, logprobs=0
     )
     assert len(comp2.choices[0].logprobs.token_logprobs) == comp2.usage.completion_tokens
+    # streamed, logprobs=0: every chunk's tokens with their logprobs, none dropped
+    comp_chunks = list(client.completions.create(
+        model="gyre", prompt=[*tok.encode("Once upon a time"), 5, 6], max_tokens=6, logprobs=0,
+        stream=True, stream_options={"include_usage": True},
+    ))  # fmt: skip
+    got = [c.choices[0].logprobs for c in comp_chunks if c.choices and c.choices[0].logprobs]
+    n_out = next(c.usage for c in comp_chunks if c.usage).completion_tokens
+    assert sum(len(lp.token_logprobs) for lp in got) == n_out > 0
+    offsets = [o for lp in got for o in lp.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0
 
     res = httpx.post(
         gw.url + "/generate",
@@ -334,7 +344,7 @@ def test_streaming_tool_call_and_completions_and_generate(gateway, cells):
         }
     ]
     st = httpx.get(gw.url + "/gyre/stats", headers={"Authorization": "Bearer admin-secret"}).json()
-    assert st["gateway/calls"] == 4 and set(st["engines"]) == {"a", "b"}
+    assert st["gateway/calls"] == 5 and set(st["engines"]) == {"a", "b"}
 
 
 def _err(res: httpx.Response, status: int, code: str | None = None) -> dict:

@@ -154,3 +154,58 @@ def test_openai_agents_sdk_default_model_runs_against_the_gateway(gw, engine):
     # the SDK resends the whole conversation: the second call still extends the first exactly
     assert recs[1].parent_request_id == recs[0].request_id
     assert recs[1].prefix_len == len(full[recs[0].request_id]) + len(recs[0].output_ids)
+
+
+def test_what_gyre_cannot_honour_is_refused_not_ignored(gw, engine):
+    """A forced tool call, a constrained output format and reasoning settings get a 400
+    naming the parameter (on Chat and Responses), never a silent answer without them; and
+    nothing is recorded for them."""
+    sid, key = gw.new_session()
+    client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    chat_tool = {"type": "function", "function": {k: TOOL[k] for k in ("name", "parameters")}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for kwargs, param in (
+        ({"tools": [chat_tool], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [chat_tool], "tool_choice": {"type": "function",
+                                                "function": {"name": "get_weather"}}},
+         "tool_choice"),
+        ({"response_format": schema}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="gyre", messages=msgs, max_tokens=4, **kwargs)
+        assert err.value.body["param"] == param and "not supported" in err.value.body["message"]
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}
+    for kwargs, param in (
+        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"text": fmt}, "text.format"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="gyre", input="Weather in Paris?", **kwargs)
+        assert err.value.body["param"] == param, err.value.body
+    assert _records(gw, sid) == []
+    # what gyre does honour still works: auto tools, plain text format, no reasoning
+    ok = client.responses.create(
+        model="gyre", input="Hi", text={"format": {"type": "text"}}, max_output_tokens=4,
+        reasoning={"effort": None}, tool_choice="auto", tools=[TOOL],
+    )  # fmt: skip
+    assert ok.status in ("completed", "incomplete")
+
+
+def test_developer_role_is_the_system_prompt_on_chat_and_responses(gw, engine):
+    eng, _ = engine
+    seen = []
+    for role, api in (("system", "chat"), ("developer", "chat"), ("developer", "responses")):
+        sid, key = gw.new_session()
+        client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
+        msgs = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        if api == "chat":
+            client.chat.completions.create(model="gyre", messages=msgs, max_tokens=2)
+        else:
+            client.responses.create(model="gyre", input=msgs, max_output_tokens=2)
+        (rec,) = _records(gw, sid)
+        seen.append(eng.received[rec.request_id])
+    assert seen[0] == seen[1] == seen[2]

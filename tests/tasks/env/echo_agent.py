@@ -1,5 +1,6 @@
 """A black-box agent for the ``cmd:`` harness test: the official openai client, configured by
-nothing but the environment (OPENAI_BASE_URL, OPENAI_API_KEY), reporting through GYRE_OUTPUT.
+nothing but the environment (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL), reporting
+through GYRE_OUTPUT.
 
 It asks the model once per turn (so the calls are recorded), then answers each turn with the
 word the prompt names (so the score does not depend on a random model)."""
@@ -15,7 +16,7 @@ client = OpenAI(max_retries=0)
 answers = {}
 for turn in task["turns"]:
     resp = client.chat.completions.create(
-        model="gyre",
+        model=os.environ["OPENAI_MODEL"],  # the name the gateway serves the policy as
         messages=[
             {"role": "system", "content": task["system_prompt"]},
             {"role": "user", "content": turn["prompt"]},

@@ -139,6 +139,12 @@ def use_interface_of(address: str | None) -> str | None:
     return ifname
 
 
+def _distributed_c10d():
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d
+
+
 def pick_backend(backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -167,6 +173,13 @@ class DPGroup:
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The default group's keys in the store are prefixed by its name, which is how many
+        # groups this process has made since the last destroy; a formation that failed (a
+        # member lost while meeting) is counted but never destroyed. Such a member named
+        # its next generation "1" while a fresh joiner (a restarted worker) named it "0":
+        # the two waited for each other's keys until the timeout. Generations already have
+        # their own prefix, so every member names its group as a fresh process does.
+        _distributed_c10d()._world.group_count = 0
         t0 = time.monotonic()
         client = dist.TCPStore(
             rv.host,

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BUCKET = "gyre-netns"
 GATEWAY_PORT = 8000  # fixed ports are free: each namespace has its own
-TTL_S = 10  # the scheduler drops a worker it has not heard from for this long
+TTL_S = 20  # the scheduler drops a worker it has not heard from for this long
 FIGURE_ENV = "GYRE_NETNS_JSON"  # where the traffic figure goes (BENCHMARKS.md)
 AWS = {
     "AWS_ACCESS_KEY_ID": "testing",

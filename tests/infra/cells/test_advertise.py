@@ -119,6 +119,13 @@ def test_a_cells_engine_binds_its_workers_address_and_needs_the_token_beyond_loo
         # the run's checkpoint v0 is not in the store yet: the cell and its host are named
         with pytest.raises(StoreUnreachable, match=rf"cell cell-{ip}:\d+ on host {ip}: "):
             check_store(cells, store, "r1")
+        # a store the cells' host cannot reach at all (nothing listens there)
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{free.getsockname()[1]}"
+        s3 = Store("s3://bucket/x", {"endpoint_url": dead, "key": "k", "secret": "s"}, retry_s=1)
+        with pytest.raises(StoreUnreachable, match=rf"on host {ip}: cannot reach the store"):
+            check_store(cells, s3, "r1", retry_s=1)
         publish_checkpoint(store, "r1", model_dir, 0)
         check_store(cells, store, "r1")
         # the run's model directory is not on the cell's host: it starts from v0 in the store

@@ -231,6 +231,7 @@ WORLD_KEYS = (
     "store",
     "gateway.port",
     "cluster.scheduler_address",
+    "cluster.advertise_host",
     "cluster.rollout_cells",
     "cluster.train_cells",
     "model.path",

@@ -83,6 +83,19 @@ def check_port(port: int, host: str = "127.0.0.1") -> str | None:
     return None
 
 
+def check_host(host: str) -> str | None:
+    """Why this host cannot listen on ``host`` (the run's endpoints bind it), or None."""
+    try:
+        with socket.socket() as s:
+            s.bind((host, 0))
+    except OSError as exc:
+        return (
+            f"this host cannot listen there ({exc.strerror or exc}): give one of its own "
+            "addresses (`ip -br addr`), as the other hosts reach it"
+        )
+    return None
+
+
 def check_new_local_store(url: str) -> str | None:
     """Why a local store directory that does not exist yet could not be created, or None
     (nothing is created: the check of a config that has errors leaves no trace)."""
@@ -138,9 +151,13 @@ def preflight(cfg: RunConfig, *, only: frozenset[str] | None = None, create: boo
             why = check_store(cfg.store)
         if why is not None:
             problems.append(f"store={cfg.store!r}: {why}")
-    if wanted("gateway.port") and (why := check_port(cfg.gateway.port)) is not None:
-        problems.append(f"gateway.port={cfg.gateway.port}: {why}; pick another or 0 (any)")
     c = cfg.cluster
+    host = c.advertise_host if wanted("cluster.advertise_host") else "127.0.0.1"
+    if wanted("cluster.advertise_host") and (why := check_host(host)) is not None:
+        problems.append(f"cluster.advertise_host={host!r}: {why}")
+        host = "127.0.0.1"
+    if wanted("gateway.port") and (why := check_port(cfg.gateway.port, host)) is not None:
+        problems.append(f"gateway.port={cfg.gateway.port}: {why}; pick another or 0 (any)")
     if wanted("cluster.scheduler_address") and c.scheduler_address:
         n = c.rollout_cells + c.train_cells
         cells = n if wanted("cluster.rollout_cells") and wanted("cluster.train_cells") else None

@@ -35,6 +35,7 @@ from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
 from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, quiet_completed_tasks, start_cells
+from infra.cells.reach import check_store
 from infra.engine.pretrained import prepare
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
@@ -213,7 +214,10 @@ def _run(
     }
     sc = cfg.scheduler
     n_cells = cfg.cluster.rollout_cells + cfg.cluster.train_cells
-    admin_token = secrets.token_urlsafe(24)
+    # the run's token: the gateway's admin calls and, beyond loopback, every call to the
+    # cells' engines (generation, weight loads, KV export/import) need it
+    token = secrets.token_urlsafe(24)
+    host = cfg.cluster.advertise_host
     with start_cells(
         n_cells,
         threads_per_cell=cfg.cluster.threads_per_cell,
@@ -222,8 +226,11 @@ def _run(
         env=env,
         rollout_slots=sc.groups_per_cell,
         harness_slots=sc.groups_per_cell,
+        host=host,
+        token=token,
     ) as cells:
         record_children()  # if this process is killed, the next `gyre run` stops its cells
+        check_store(cells, st, run_id)  # every cell's host reaches the store (or is named)
         if cells.dashboard_link:
             logger.info("Dask dashboard: %s", cells.dashboard_link)
         # the write-ahead log of answered calls lives where a later process can replay it
@@ -231,7 +238,9 @@ def _run(
             st,
             run_id=run_id,
             tokenizer_dir=model_dir,
-            admin_token=admin_token,
+            admin_token=token,
+            engine_token=token,
+            host=host,
             port=cfg.gateway.port,
             spool_dir=str(spool),
         )

@@ -243,6 +243,7 @@ def schedule(
         shuffle_buffer=sc.shuffle_buffer,
         seed=sc.seed,
         heal_timeout_s=cfg.cluster.heal_timeout_s,
+        dp_host=cfg.cluster.advertise_host,  # the DP rendezvous: where the cells meet
         # a rollout ends by its own timeout; processing and the margins on top
         job_timeout_s=r.timeout_s + sc.drain_timeout_s + 600,
     )

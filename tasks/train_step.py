@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.logging import get_run_logger
 
-from infra.cells.cluster import cell_name, this_cell
+from infra.cells.cluster import cell_name, host_of, this_cell
 from storage.checkpoints import fetch_checkpoint, latest_version, stage_checkpoint
 from storage.commits import commit_step_record, roll_forward
 from storage.store import Store
@@ -266,7 +266,13 @@ def member_step(
         if holder.dp is not None:
             holder.dp.close()
             holder.dp = None
-        holder.dp = dp.DPGroup(rv, backend=backend, timeout_s=timeout_s)
+        where = getattr(holder, "worker_address", "")  # a cell's; tests pass bare holders
+        holder.dp = dp.DPGroup(
+            rv,
+            backend=backend,
+            timeout_s=timeout_s,
+            local_host=host_of(where) if where else None,
+        )
     group = holder.dp
     run = (store.url, run_id)
     mine = holder.trainer if getattr(holder, "trainer_run", None) == run else None

@@ -131,7 +131,11 @@ class CellPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        # the run's token: a cell's engine bound beyond loopback requires it (it travels to
+        # restarted workers with the plugin, through the scheduler, as the roles do)
+        self.token = token
+        self.worker_address = ""
         self.engine: Any = None
         self.server: Any = None
         self.trainer: Any = None
@@ -173,6 +177,12 @@ def cell_name(worker_address: str) -> str:
     workers listen on the same port stay apart (``tcp://10.0.0.5:40123`` ->
     ``cell-10.0.0.5:40123``)."""
     return "cell-" + worker_address.split("://", 1)[-1]
+
+
+def host_of(address: str) -> str:
+    """The host of a worker or scheduler address (``tcp://10.0.0.5:40123`` -> ``10.0.0.5``)."""
+    hostport = address.split("://", 1)[-1]
+    return hostport.rpartition(":")[0].strip("[]") or hostport
 
 
 def this_cell() -> CellPlugin:
@@ -323,14 +333,16 @@ async def _call_on_plugin(fn, args, kwargs, dask_worker=None):
     return await asyncio.to_thread(fn, plugin, *args, **kwargs)
 
 
-def _local_cluster(n: int, threads: int, memory_limit: str, env: dict[str, str]) -> LocalCluster:
+def _local_cluster(
+    n: int, threads: int, memory_limit: str, env: dict[str, str], host: str = "127.0.0.1"
+) -> LocalCluster:
     return LocalCluster(
         n_workers=n,
         threads_per_worker=threads,
         processes=True,
         memory_limit=memory_limit,
-        dashboard_address=":0",  # a free port: several runs may share a host
-        host="127.0.0.1",
+        dashboard_address=f"{host}:0",  # a free port: several runs may share a host
+        host=host,
         worker_class="distributed.Nanny",
         env=env,
     )
@@ -346,13 +358,17 @@ def start_cells(
     env: dict[str, str] | None = None,
     rollout_slots: int = 8,
     harness_slots: int = 8,
+    host: str = "127.0.0.1",
+    token: str | None = None,
 ) -> Iterator[Cells]:
     """Start (or connect to) a Dask cluster whose workers are the cells.
 
     ``scheduler_address`` connects to an external ``dask scheduler``; its
     workers become the cells. Otherwise a LocalCluster of worker *processes*, each with
     ``threads_per_cell`` threads for work plus one per harness slot (harnesses mostly wait
-    on HTTP and their environment).
+    on HTTP and their environment). ``host``: the address a LocalCluster (scheduler,
+    workers, dashboard) binds; ``token``: the run's token, which each cell's engine requires
+    when its worker's address is beyond loopback.
     """
     cluster = client = None
     lost = False  # the scheduler is gone: nothing to stop through it
@@ -366,10 +382,10 @@ def start_cells(
             # also stops it on workers of an external cluster and on restarted ones
             with dask.config.set({"distributed.worker.profile.enabled": False}):
                 cluster = _local_cluster(
-                    n_cells, threads_per_cell + harness_slots, memory_limit, worker_env
+                    n_cells, threads_per_cell + harness_slots, memory_limit, worker_env, host
                 )
             client = Client(cluster)
-        client.register_plugin(CellPlugin(), name=PLUGIN_NAME)
+        client.register_plugin(CellPlugin(token), name=PLUGIN_NAME)
         addrs = sorted(worker_addrs(client))[:n_cells]
         cells = Cells(
             client=client,

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+from infra.cells.cluster import host_of
+from infra.cells.config import LOOPBACK, is_loopback
 from infra.engine_api.client import EngineClient
 from storage.checkpoints import fetch_checkpoint, read_digest
 from storage.store import Store
@@ -31,6 +33,8 @@ def start_engine(
     audit_dir: str | None = None,
     decode_step_s: float = 0.0,
     prefill_tokens_per_s: float = 0.0,
+    store: Store | None = None,
+    run_id: str | None = None,
 ) -> str:
     """Start (once) the embedded engine and its HTTP server in this cell; returns its URL.
 
@@ -38,6 +42,9 @@ def start_engine(
     return to rollout only loads new weights. ``audit_dir``: the engine appends every
     request it admits to ``{audit_dir}/{cell_id}.jsonl`` (config ``model.audit_dir``).
     ``decode_step_s`` / ``prefill_tokens_per_s``: paced device time (infra/cells/pacing.py).
+    ``model_dir`` is a path on the run's host; a cell on a host that does not have it
+    starts from the run's checkpoint v0 in ``store`` instead (the same weights, published
+    before any cell starts), fetched into this host's own cache.
     """
     from infra.cells.pacing import PacedEngine
     from infra.engine.engine import Engine
@@ -45,6 +52,8 @@ def start_engine(
 
     with plugin.lock:
         if plugin.server is None:
+            if not os.path.isdir(model_dir) and store is not None and run_id is not None:
+                model_dir = fetch_checkpoint(store, run_id, 0)
             kw = {
                 "weight_version": weight_version,
                 "max_batch_size": max_batch_size,
@@ -61,7 +70,18 @@ def start_engine(
                 )
             else:
                 plugin.engine = Engine(model_dir, **kw)
-            plugin.server = EngineServer(plugin.engine, host="127.0.0.1", port=0)
+            # the engine listens where its worker does: the address the other hosts reach
+            # this cell by (loopback for a one-host run); beyond loopback it takes calls
+            # with the run's token only
+            where = getattr(plugin, "worker_address", "")  # tests may pass bare holders
+            host = host_of(where) if where else LOOPBACK
+            key = None if is_loopback(host) else getattr(plugin, "token", None)
+            if key is None and not is_loopback(host):
+                raise RuntimeError(
+                    f"cell {cell_id}: its engine would listen on {host} with no token; "
+                    "start the cells with the run's token (start_cells(token=...))"
+                )
+            plugin.server = EngineServer(plugin.engine, host=host, port=0, api_key=key)
             plugin.engine_url = plugin.server.start()
         return plugin.engine_url
 
@@ -79,7 +99,7 @@ def load_weights(plugin: Any, store: Store, run_id: str, version: int) -> dict[s
     want = read_digest(path)
 
     async def update() -> dict[str, Any]:
-        async with EngineClient(plugin.engine_url) as client:
+        async with EngineClient(plugin.engine_url, token=getattr(plugin, "token", None)) as client:
             res = await client.update_weights_from_disk(
                 path, version, abort_all_requests=True, flush_cache=True
             )

@@ -509,6 +509,8 @@ class Executor(Healing):
                 audit_dir=e.audit_dir,
                 decode_step_s=e.decode_step_s,
                 prefill_tokens_per_s=e.prefill_tokens_per_s,
+                store=self.store,  # model_dir is on the run's host; other hosts fetch v0
+                run_id=self.run_id,
             )
             self.engine_version[i] = -1  # a parked engine may hold another run's weights
         for _ in range(3):  # a step may publish while we load: the cell joins with the newest

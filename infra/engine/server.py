@@ -12,6 +12,10 @@ gyre extensions live under ``/gyre/``: ``POST /gyre/kv/export {input_ids}`` answ
 (``application/octet-stream``), ``POST /gyre/kv/import`` takes one and answers
 ``{"imported_tokens": n}``.
 
+A server started with an ``api_key`` (a cell's engine bound beyond loopback, SGLang's
+``--api-key``) answers 401 to every call but ``GET /health`` that does not carry
+``Authorization: Bearer <api_key>``: generation, weight loads, pauses, KV export/import.
+
 Bad input (invalid token ids, too long a context, malformed JSON, bad params) answers 400 with
 ``{"error": {"message": ..., "type": "BadRequest"}}``; the server keeps serving.
 """
@@ -19,6 +23,7 @@ Bad input (invalid token ids, too long a context, malformed JSON, bad params) an
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
 import threading
@@ -73,8 +78,33 @@ async def _json_body(request: HTTPRequest) -> dict:
     return body
 
 
-def build_app(engine: Engine) -> Starlette:
-    """The Starlette app serving `engine`."""
+OPEN_PATHS = frozenset({"/health"})  # what a server with an api key answers to anyone
+
+
+class RequireKey:
+    """ASGI wrapper: every request but `OPEN_PATHS` must carry ``Bearer <api_key>``."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._want = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self._want):
+                body = _dumps({"error": {"message": "missing or wrong api key: send "
+                               "'Authorization: Bearer <the run's token>'",
+                               "type": "Unauthorized"}})  # fmt: skip
+                headers = [(b"content-type", b"application/json"),
+                           (b"content-length", str(len(body)).encode())]  # fmt: skip
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Any:
+    """The Starlette app serving `engine` (behind `RequireKey` when ``api_key`` is given)."""
 
     async def run_blocking(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
@@ -221,14 +251,18 @@ def build_app(engine: Engine) -> Starlette:
         Route("/gyre/kv/import", kv_import, methods=["POST"]),
     ]
     handlers = {EngineInputError: bad_request, KVFormatError: bad_request, Exception: internal}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    return RequireKey(app, api_key) if api_key else app
 
 
 class EngineServer:
-    """Serve `engine` over HTTP from a background thread."""
+    """Serve `engine` over HTTP from a background thread (``api_key``: see the module doc)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None
+    ):
         self.engine = engine
+        self.api_key = api_key
         self.host = host
         self.port = port
         self.url: str | None = None
@@ -245,7 +279,7 @@ class EngineServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(  # uvicorn's fast stack: httptools parser, uvloop loop
-            build_app(self.engine),
+            build_app(self.engine, self.api_key),
             http="httptools",
             loop="uvloop",
             ws="none",
@@ -305,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--kv-cache-tokens", type=int, default=262144)
     parser.add_argument("--cell-id", default="local")
+    parser.add_argument("--api-key", default=None)
     args, ignored = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO)
     if ignored:
@@ -316,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_tokens=args.kv_cache_tokens,
         cell_id=args.cell_id,
     )
-    server = EngineServer(engine, host=args.host, port=args.port)
+    server = EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

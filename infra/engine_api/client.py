@@ -78,7 +78,14 @@ class _HttpxPool:
     """`Http1Pool`'s two verbs over httpx (an injected transport such as tests'
     ``MockTransport``, or https), with httpx's errors mapped onto `infra.engine_api.http1`'s."""
 
-    def __init__(self, base_url: str, transport, connect_timeout: float, read_timeout: float):
+    def __init__(
+        self,
+        base_url: str,
+        transport,
+        connect_timeout: float,
+        read_timeout: float,
+        headers: dict[str, str] | None = None,
+    ):
         import httpx
 
         self._httpx = httpx
@@ -87,6 +94,7 @@ class _HttpxPool:
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             transport=transport,
+            headers=headers,
         )
 
     def _error(self, e: Exception) -> HttpError:
@@ -135,25 +143,35 @@ class EngineClient:
         *,
         timeout: float = 600.0,
         transport: str | httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
     ):
         """``transport``: ``"http1"`` (`Http1Pool`, the default for ``http://``),
         ``"aiohttp"`` (the default for ``https://``), or an httpx transport (tests pass an
-        `httpx.MockTransport`; ``httpx.AsyncHTTPTransport()`` is the former httpx path)."""
+        `httpx.MockTransport`; ``httpx.AsyncHTTPTransport()`` is the former httpx path).
+        ``token``: sent as ``Authorization: Bearer`` on every call (an engine bound beyond
+        loopback requires the run's token; SGLang's ``--api-key`` the same way)."""
         self.base_url = base_url.rstrip("/")
+        hdrs = {"Authorization": f"Bearer {token}"} if token else None
         self.timeout = timeout
         connect = min(10.0, timeout)
         if transport is None:
             transport = DEFAULT_TRANSPORT if self.base_url.startswith("http://") else "aiohttp"
         if transport == "http1":
             self._http = Http1Pool(
-                self.base_url, connect_timeout=connect, read_timeout=timeout, max_idle=64
+                self.base_url,
+                connect_timeout=connect,
+                read_timeout=timeout,
+                max_idle=64,
+                headers=hdrs,
             )
         elif transport == "aiohttp":
-            self._http = AiohttpPool(self.base_url, connect_timeout=connect, read_timeout=timeout)
+            self._http = AiohttpPool(
+                self.base_url, connect_timeout=connect, read_timeout=timeout, headers=hdrs
+            )
         elif isinstance(transport, str):
             raise ValueError(f"unknown transport {transport!r}: use 'http1' or 'aiohttp'")
         else:
-            self._http = _HttpxPool(self.base_url, transport, connect, timeout)
+            self._http = _HttpxPool(self.base_url, transport, connect, timeout, hdrs)
 
     # ------------------------------------------------------------------ transport
     async def _request(

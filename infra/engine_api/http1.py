@@ -175,6 +175,7 @@ class Http1Pool:
         max_connections: int = 256,
         max_idle: int = 64,
         max_idle_s: float = 3.0,
+        headers: dict[str, str] | None = None,
     ):
         u = urlsplit(base_url)
         if u.scheme != "http":
@@ -183,6 +184,11 @@ class Http1Pool:
         self.port = u.port or 80
         self.prefix = u.path.rstrip("/")
         self._host_header = u.netloc
+        # sent with every request (an engine's ``Authorization``); checked once, here
+        items = list((headers or {}).items())
+        if any(c in k + v for k, v in items for c in "\r\n"):
+            raise ValueError("a header may not contain a line break")
+        self._extra_head = "".join(f"{k}: {v}\r\n" for k, v in items)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
@@ -228,6 +234,7 @@ class Http1Pool:
 
     def _head(self, method: str, path: str, body: bytes | None, content_type: str) -> bytes:
         lines = f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
+        lines += self._extra_head
         if body is not None:
             lines += f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
         return (lines + "\r\n").encode("latin-1")

@@ -66,11 +66,12 @@ def check_version(version: str) -> str:
     return version
 
 
-def probe_version(base_url: str, timeout: float = 10.0) -> str:
+def probe_version(base_url: str, timeout: float = 10.0, api_key: str | None = None) -> str:
     """The server's version from ``/version`` or ``/get_server_info``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     for path in ("/version", "/get_server_info"):
         try:
-            resp = httpx.get(base_url.rstrip("/") + path, timeout=timeout)
+            resp = httpx.get(base_url.rstrip("/") + path, timeout=timeout, headers=headers)
         except httpx.HTTPError:
             continue
         if resp.status_code == 200:
@@ -106,7 +107,10 @@ class SGLangServer:
         module: str = "sglang.launch_server",
         log_path: str | os.PathLike | None = None,
         check_version: bool = True,
+        api_key: str | None = None,
     ):
+        """``api_key``: SGLang's ``--api-key``, every call but ``/health`` must carry it (a
+        server bound beyond loopback takes the run's token; `EngineClient(token=)`)."""
         if tp < 1:
             raise ValueError(f"tp={tp}: tensor parallel size must be >= 1")
         self.model_path = str(model_path)
@@ -116,6 +120,7 @@ class SGLangServer:
         self.python, self.module = python, module
         self.log_path = Path(log_path) if log_path else None
         self.check_version = check_version
+        self.api_key = api_key
         self.version: str | None = None
         self._proc: subprocess.Popen | None = None
         self._log_file = None
@@ -127,6 +132,8 @@ class SGLangServer:
     def command(self) -> list[str]:
         cmd = [self.python, "-m", self.module, "--model-path", self.model_path]
         cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.tp)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         if self.hicache_storage is not None:
             backend = self.hicache_storage if self.hicache_storage in HICACHE_BACKENDS else "file"
             cmd += [
@@ -178,7 +185,7 @@ class SGLangServer:
         else:
             self.stop()
             raise SGLangLaunchError(f"{self.url} not healthy after {timeout:.0f}s")
-        self.version = probe_version(self.url)
+        self.version = probe_version(self.url, api_key=self.api_key)
         if self.check_version:
             try:
                 check_version(self.version)

@@ -70,8 +70,10 @@ class AiohttpPool:
         connect_timeout: float = 10.0,
         read_timeout: float = 600.0,
         max_connections: int = 256,
+        headers: dict[str, str] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.headers = dict(headers or {})
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_connections = max_connections
@@ -94,6 +96,7 @@ class AiohttpPool:
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                headers=self.headers,
             )
         return self._session
 

@@ -54,6 +54,7 @@ class GatewayCore:
         wal_fsync: bool = True,
         engine_transport: str | None = None,
         engine_wait_s: float = 120.0,
+        engine_token: str | None = None,
     ):
         self.store = store
         self.run_id = run_id
@@ -80,7 +81,7 @@ class GatewayCore:
         self._keys_path = os.path.join(self.spool_dir, "chatkeys.bin")
         end_torn_line(self._keys_path)  # a crash's torn last line is not glued to the next
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
-        self.router = Router(engine_transport)
+        self.router = Router(engine_transport, engine_token)
         self.pipeline = CallPipeline(self)
         self.counters = {"calls": 0, "errors": 0, "tokens_in": 0, "tokens_out": 0, "retries": 0}
 

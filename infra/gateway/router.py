@@ -61,8 +61,9 @@ class EngineHandle:
 class Router:
     """Cells the gateway may send calls to, and which session is on which cell."""
 
-    def __init__(self, transport: str | None = None) -> None:
+    def __init__(self, transport: str | None = None, token: str | None = None) -> None:
         self.transport = transport  # the engine clients' (None: the client's default)
+        self.token = token  # the run's token, sent to every engine (required beyond loopback)
         self.engines: dict[str, EngineHandle] = {}
         self.kv_moves = 0
         self.kv_moved_tokens = 0
@@ -79,7 +80,7 @@ class Router:
     async def client(self, h: EngineHandle) -> EngineClient:
         """The handle's client, created on the event loop, with the model's limits probed."""
         if h.client is None:
-            h.client = EngineClient(h.base_url, transport=self.transport)
+            h.client = EngineClient(h.base_url, transport=self.transport, token=self.token)
         if h.max_context is None:
             info = await h.client.model_info()
             h.max_context = int(info.get("max_context_length") or info.get("context_length") or 0)

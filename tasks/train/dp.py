@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,44 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0)
     return store, store.port
 
 
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` on this machine (None if none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def use_interface_of(address: str | None) -> str | None:
+    """Make gloo's peers meet this member at ``address``, where the other hosts reach it.
+
+    Gloo picks the address it tells its peers from the host name, which on a cluster node
+    (or a network namespace) often resolves to loopback or to another network; members on
+    other hosts then never connect. ``GLOO_SOCKET_IFNAME`` (read when a group is formed)
+    names the interface instead: the one holding ``address``. A value the user set wins;
+    loopback (one host) changes nothing. Returns the interface in force."""
+    if address is None or address in ("127.0.0.1", "localhost", "::1"):
+        return os.environ.get(GLOO_IFNAME)
+    if os.environ.get(GLOO_IFNAME) and os.environ.get("_GYRE_GLOO_FOR") != address:
+        return os.environ[GLOO_IFNAME]  # the user's own setting
+    ifname = interface_of(address)
+    if ifname is not None:
+        os.environ[GLOO_IFNAME] = ifname
+        os.environ["_GYRE_GLOO_FOR"] = address
+    return ifname
+
+
+def _distributed_c10d():
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d
+
+
 def pick_backend(backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -115,14 +154,32 @@ def pick_backend(backend: str = "auto") -> str:
 class DPGroup:
     """This process's membership in one generation (the default process group)."""
 
-    def __init__(self, rv: Rendezvous, *, backend: str = "auto", timeout_s: float = 600.0):
+    def __init__(
+        self,
+        rv: Rendezvous,
+        *,
+        backend: str = "auto",
+        timeout_s: float = 600.0,
+        local_host: str | None = None,
+    ):
+        """``local_host``: the address other members reach this one at (its cell's worker
+        address; see `use_interface_of`)."""
         if not 0 <= rv.rank < rv.world:
             raise DPError(f"rank {rv.rank} outside a world of {rv.world}")
         self.rv = rv
         self.backend = pick_backend(backend)
+        if self.backend == "gloo":
+            use_interface_of(local_host)
         self.timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The default group's keys in the store are prefixed by its name, which is how many
+        # groups this process has made since the last destroy; a formation that failed (a
+        # member lost while meeting) is counted but never destroyed. Such a member named
+        # its next generation "1" while a fresh joiner (a restarted worker) named it "0":
+        # the two waited for each other's keys until the timeout. Generations already have
+        # their own prefix, so every member names its group as a fresh process does.
+        _distributed_c10d()._world.group_count = 0
         t0 = time.monotonic()
         client = dist.TCPStore(
             rv.host,

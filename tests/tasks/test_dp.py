@@ -178,3 +178,41 @@ def test_k_members_equal_one_across_join_and_leave(tmp_path, arch):
     assert hows[1] == {"A": "broadcast", "B": "broadcast", "C": "broadcast"}  # C joins
     assert hows[2] == {"A": "kept", "C": "kept"}  # B left; A and C hold v2
     assert hows[3]["B"] == "broadcast"  # B rejoins with v2 and receives v3
+
+
+def _meet(generation: int, port: int, rank: int, fail_first: bool, out) -> None:
+    try:
+        if fail_first:  # a formation whose partner never came (lost while meeting)
+            with pytest.raises(dp.DPError):
+                dp.DPGroup(dp.Rendezvous("127.0.0.1", port, generation - 1, rank, 2), timeout_s=2)
+        group = dp.DPGroup(dp.Rendezvous("127.0.0.1", port, generation, rank, 2), timeout_s=60)
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)
+        group.close()
+        out.put((rank, float(t[0])))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_a_member_whose_formation_failed_meets_a_fresh_joiner():
+    """A member that failed to form one generation (its partner lost while they met) and a
+    fresh process (the restarted worker) form the next: before, the survivor's group name
+    counted the failed try and the two never met (the run hung until the step timeout)."""
+    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_meet, args=(1, port, 0, True, out), daemon=True),
+        ctx.Process(target=_meet, args=(1, port, 1, False, out), daemon=True),
+    ]
+    procs[0].start()
+    procs[0].join(timeout=0.1)
+    import time
+
+    time.sleep(8)  # the survivor's failed try is over before the joiner starts
+    procs[1].start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: 2.0, 1: 2.0}, got
+    del store

@@ -15,7 +15,7 @@ import pytest
 from infra.engine.engine import Engine
 from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
-from infra.engine_api.client import EngineClient
+from infra.engine_api.client import EngineClient, EngineError
 from infra.engine_api.sglang import (
     Pending,
     SGLangLaunchError,
@@ -103,6 +103,27 @@ def test_launch_probe_and_stop_a_server_process(model_dir, tmp_path):
         assert len(asyncio.run(go())["output_ids"]) == 3
     proc_gone = srv._proc is None
     assert proc_gone
+
+
+@pytest.mark.integration
+def test_a_server_launched_with_an_api_key_takes_calls_with_it_only(model_dir, tmp_path):
+    """``--api-key`` (SGLang's flag; the embedded server's too): the launcher's own probes
+    and `EngineClient(token=)` carry it, a call without it is refused."""
+    import httpx
+
+    srv = SGLangServer(model_dir, port=free_port(), module="infra.engine.server", api_key="k1")
+    assert srv.command()[-2:] == ["--api-key", "k1"]
+    with srv:
+        assert srv.version.startswith("gyre-")  # probed with the key
+        assert httpx.get(srv.url + "/get_model_info", timeout=10).status_code == 401
+
+        async def go(token):
+            async with EngineClient(srv.url, token=token) as c:
+                return await c.model_info()
+
+        assert asyncio.run(go("k1"))["vocab_size"] > 0
+        with pytest.raises(EngineError):
+            asyncio.run(go(None))
 
 
 @pytest.mark.integration

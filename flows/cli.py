@@ -1,6 +1,6 @@
 """The ``gyre`` command line.
 
-    gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
+    gyre run [--config FILE] [--preset tiny|demo|tools|repo|smol] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
     gyre sql [--store URL] [--format table|csv|json] ["SELECT ..."]
     gyre serve [--model DIR] [--store URL] [--port N]

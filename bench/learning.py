@@ -198,18 +198,23 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), se
 
 
-def smol_figures(store: str, preset: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 16's figures. The gain is paired per held-out task (the same task seeds before
-    and after, and in the control): ``smol_heldout_gain`` is the mean over seeds and tasks
-    of (after - before), its standard error that of those differences; the control
-    comparison pairs each task's reward after RL with the control's after."""
+def paired_gains(rows: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+    """(gain, its s.e., gain over the control, its s.e.), paired per held-out task over all
+    seeds: after - before of the RL run, and the RL run's after - the control's after."""
     gains, over = [], []
     for r in rows:
         rl, ctl = _per_task(r["rl"]), _per_task(r["control"])
         gains += [t["after"] - t["before"] for t in rl.values()]
         over += [rl[k]["after"] - ctl[k]["after"] for k in rl if k in ctl]
-    gain, gain_se = _mean_se(gains)
-    vs_ctl, vs_ctl_se = _mean_se(over)
+    return (*_mean_se(gains), *_mean_se(over))
+
+
+def smol_figures(store: str, preset: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 16's figures. The gain is paired per held-out task (the same task seeds before
+    and after, and in the control): ``smol_heldout_gain`` is the mean over seeds and tasks
+    of (after - before), its standard error that of those differences; the control
+    comparison pairs each task's reward after RL with the control's after."""
+    gain, gain_se, vs_ctl, vs_ctl_se = paired_gains(rows)
     costs = []
     for r in rows:
         c = run_costs(store, r["rl"]["run_id"])

@@ -209,7 +209,12 @@ PRESETS: dict[str, dict[str, Any]] = {
             # at 1.0 its samples are mostly noise (sampled reward ~0.06 vs 0.35 greedy)
             "temperature": 0.7,
         },
-        "train": {"steps": 30, "lr": 2e-5},
+        # the train cell holds the parked engine and the trainer (fp32 weights, grads and
+        # AdamW state: 4 x 0.54 GB), and a micro-batch's logits are tokens x 49,152 floats
+        # (4,096 tokens: 0.8 GB, with their log-softmax twice that): at dask's default 6 GiB
+        # a cell was killed in its second step
+        "train": {"steps": 30, "lr": 2e-5, "max_tokens_per_micro": 1024},
+        "cluster": {"memory_limit": "8GiB"},
         "eval": {"every": 10, "tasks": 32},
     },
     # the repository-building suite end to end: hidden-test pass fraction before and after

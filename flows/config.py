@@ -195,7 +195,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # RL on a real pretrained model: SmolLM2-135M-Instruct (`gyre model prepare smollm2`, made
     # on first use) on arithmetic word problems it partly solves (held-out greedy reward
-    # ~0.35 at the start; README "Task suites"); no warm start: RL alone must add the gain
+    # 0.2-0.35 at the start; README "Task suites"); no warm start: RL alone must add the gain
     "smol": {
         "model": {"name": "smollm2-135m-instruct", "kv_cache_tokens": 16384},
         "rollout": {

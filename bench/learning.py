@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     store = args.store or tempfile.mkdtemp(prefix="gyre-bench-learning-")
     rows = []
     for seed in seeds:
-        with ThreadPoolExecutor(2 if args.quick else 1) as pool:
+        # side by side only for the tiny model: two SmolLM2 runs need ~16 GB together
+        with ThreadPoolExecutor(2 if args.quick and args.preset == "demo" else 1) as pool:
             rl_f = pool.submit(run, store, f"{args.preset}-s{seed}", seed, extra, args.preset)
             ctl_extra = [*extra, f"train.lr={CONTROL_LR}"]
             ctl_f = pool.submit(run, store, f"control-s{seed}", seed, ctl_extra, args.preset)

@@ -1,6 +1,6 @@
 """The ``gyre`` command line.
 
-    gyre run [--config FILE] [--preset tiny|demo|tools|repo] [--store URL] [key=value ...]
+    gyre run [--config FILE] [--preset tiny|demo|tools|repo|smol] [--store URL] [key=value ...]
     gyre run --resume RUN_ID [--store URL] [key=value ...]
     gyre run --from-served RUN_ID [--store URL] [train.key=value ...]
     gyre config [--list] [--preset NAME] [--config FILE] [key=value ...]

@@ -193,6 +193,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warmstart": {"enabled": True, "steps": 200, "difficulty": 0},
         "eval": {"every": 20, "tasks": 64},
     },
+    # RL on a real pretrained model: SmolLM2-135M-Instruct (`gyre model prepare smollm2`, made
+    # on first use) on arithmetic word problems it partly solves (held-out greedy reward
+    # 0.2-0.35 at the start; README "Task suites"); no warm start: RL alone must add the gain
+    "smol": {
+        "model": {"name": "smollm2-135m-instruct", "kv_cache_tokens": 16384},
+        "rollout": {
+            "suite": "story",
+            "difficulty": 1,
+            "subtasks": 3,
+            "groups_per_step": 2,
+            "group_size": 8,
+            "max_new_tokens": 24,
+            "max_attempts": 1,
+            # at 1.0 its samples are mostly noise (sampled reward ~0.06 vs 0.35 greedy)
+            "temperature": 0.7,
+        },
+        # the train cell holds the parked engine and the trainer (fp32 weights, grads and
+        # AdamW state: 4 x 0.54 GB), and a micro-batch's logits are tokens x 49,152 floats
+        # (4,096 tokens: 0.8 GB, with their log-softmax twice that): at dask's default 6 GiB
+        # a cell was killed in its second step
+        "train": {"steps": 30, "lr": 2e-5, "max_tokens_per_micro": 1024},
+        "cluster": {"memory_limit": "8GiB"},
+        "eval": {"every": 10, "tasks": 32},
+    },
     # the repository-building suite end to end: hidden-test pass fraction before and after
     "repo": {
         "rollout": {

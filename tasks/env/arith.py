@@ -144,7 +144,15 @@ class ArithEnv:
     @classmethod
     def create(cls, task_seed: int, n_subtasks: int, difficulty: int = 1) -> ArithEnv:
         task_id, subs = make_task(task_seed, n_subtasks, difficulty)
-        return cls(task_id, subs, {s.subtask_id: SubtaskResult() for s in subs}, seed=task_seed)
+        return cls(task_id, subs, cls.fresh_results(subs), seed=task_seed)
+
+    @staticmethod
+    def fresh_results(subs: list[Subtask]) -> dict[str, SubtaskResult]:
+        return {s.subtask_id: SubtaskResult() for s in subs}
+
+    def grade(self, text: str, answer: int) -> float:
+        """This environment's grader (the story suite's subclass grades its own way)."""
+        return grade(text, answer)
 
     system_prompt = (
         "You are a careful assistant. Answer each question with a single number. "
@@ -184,7 +192,7 @@ class ArithEnv:
         sub = next(s for s in self.subtasks if s.subtask_id == subtask_id)
         res = self.results[subtask_id]
         res.attempts += 1
-        score = grade(text, sub.answer)
+        score = self.grade(text, sub.answer)
         if res.status != "finished" or score > res.score:
             res.score, res.at_request_id = score, at_request_id
         res.status, res.reason = "finished", ""

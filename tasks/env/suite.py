@@ -79,6 +79,7 @@ BUILTIN_SUITES = {
     "arith": "tasks.env.arith:ArithSuite",
     "tools": "tasks.env.tools:ToolsSuite",
     "repo": "tasks.env.repo:RepoSuite",
+    "story": "tasks.env.story:StorySuite",
 }
 
 

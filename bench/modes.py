@@ -187,7 +187,6 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     from storage.checkpoints import publish_checkpoint
     from storage.sql import query
     from tasks.sched.config import paced_workload
-    from tasks.sched.waterlevel import dp_step_seconds
     from tasks.sched.workload import Durations
 
     publish_checkpoint(st_obj, run_id, model_dir, 0)
@@ -244,10 +243,7 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     gt = [g for g in out["group_times"] if g[2] > 0]
     slot_over = [g[2] - g[1] - dur[g[0]] for g in gt]  # rollout task end - start - paced
     proc = [g[3] - g[2] for g in gt if g[3] > 0]  # processing before the finish event
-    step_over = [
-        s - dp_step_seconds(b, m, w.train_s_per_sample, w.dp_sync_s)
-        for s, (b, m) in zip(stats.step_s, stats.step_shape, strict=False)
-    ]
+    step_over = [s - p for s, p in zip(stats.step_s, stats.step_pace_s, strict=False)]
     # cell time: a rollout cell is busy with its booked slots, a train cell inside steps
     held = (
         sum(min(g[3] if g[3] > 0 else t0 + end, t0 + end) - g[1] for g in gt) / sc.groups_per_cell
@@ -320,7 +316,7 @@ def choose_splits(st: Setup, quick: bool) -> tuple[int, int, dict[int, float], l
     return k_adv, k_best, by_run, live
 
 
-def bench(st: Setup, quick: bool) -> dict[str, Any]:
+def bench(st: Setup, quick: bool, only: tuple[str, ...] = ()) -> dict[str, Any]:
     from prefect import flow
     from prefect.client.orchestration import get_client
 
@@ -358,6 +354,8 @@ def bench(st: Setup, quick: bool) -> dict[str, Any]:
             plan = [("colocate", st.cells - 1)]
             plan += [("async-stream", k) for k in splits]
             plan.append(("elastic", st.cells - 1))
+            if only:  # an experiment on some modes (figures need all four)
+                plan = [(m, k) for m, k in plan if m in only or m.split("-")[0] in only]
             for mode, k in plan:
                 name = mode if mode != "async-stream" else f"async-{k}R{st.cells - k}T"
                 cfg = load_config(overrides=overrides(st, mode, k, wfile))
@@ -495,6 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--call-s", type=float, default=0.0, help="workload seconds between calls (0: file's)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default="", help="run only these modes (comma-separated)")
     ap.add_argument("--store", default=None, help="default: a fresh temp directory")
     args = ap.parse_args(argv)
     import tempfile
@@ -511,9 +510,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         store=args.store or tempfile.mkdtemp(prefix="gyre-bench-modes-"),
     )
     t0 = time.monotonic()
-    b = bench(st, args.quick)
-    fig = figures(b, st)
+    b = bench(st, args.quick, tuple(x for x in args.only.split(",") if x))
     print(table(b["modes"]))
+    if args.only:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(b, fh, indent=2, default=float)
+        return b
+    fig = figures(b, st)
     print()
     for k in KEYS:
         v = fig[k]

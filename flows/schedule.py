@@ -14,7 +14,6 @@ utilisation table as files and Prefect artifacts.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -143,10 +142,11 @@ class PrefectWork:
 
     def step_pace_s(self, plan: StepPlan) -> float:
         """Device time of a paced step: the simulator's step model on the same rollouts."""
-        w = self.workload
-        return dp_step_seconds(
-            len(plan.groups), len(plan.members), w.train_s_per_sample, w.dp_sync_s
-        )
+        if self.workload is None:
+            return 0.0
+        w, b = self.workload, len(plan.groups)
+        work = sum(w.train_cost(self.durations[i]) for i in plan.groups)  # as the simulator
+        return dp_step_seconds(b, len(plan.members), work / max(1, b), w.dp_sync_s)
 
     def group_id(self, index: int) -> str:
         """The gateway's group id of the executor's group ``index``."""
@@ -189,8 +189,6 @@ class PrefectWork:
 
     def step(self, plan: StepPlan) -> list[_Job]:
         s = self.cfg.scheduler
-        if self.workload is not None:  # paced: the simulator's step time for this step
-            plan = dataclasses.replace(plan, pace_s=self.step_pace_s(plan))
         jobs = []
         for rank, addr in enumerate(plan.workers):
             with dask.annotate(resources={"train": 1}, workers=[addr], allow_other_workers=False):

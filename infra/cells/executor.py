@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from infra.cells.cluster import Cells
@@ -134,7 +134,7 @@ class Stats:
     groups_done: int = 0
     switch_latency_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
-    step_shape: list[tuple[int, int]] = field(default_factory=list)  # (groups, members)
+    step_pace_s: list[float] = field(default_factory=list)  # paced device time (0: none)
     cells_lost: int = 0
     cells_healed: int = 0
     step_retries: int = 0
@@ -597,6 +597,9 @@ class Executor(Healing):
             shuffle_seed=self.rng.randrange(1 << 30),
             workers=tuple(self.addrs[i] for i in d.cells),
         )
+        pace = getattr(self.work, "step_pace_s", None)  # paced: the simulator's step time
+        if pace is not None:
+            plan = replace(plan, pace_s=pace(plan))
         for g in picked:
             del self.buffer[g.index]
             g.phase = "trained"
@@ -643,7 +646,7 @@ class Executor(Healing):
             self.record(i, "step_done", "train", "", f"step {plan.step} -> v{self.version}")
         self.stats.steps += 1
         self.stats.step_s.append(time.time() - self.step_t0)
-        self.stats.step_shape.append((len(plan.groups), len(plan.members)))
+        self.stats.step_pace_s.append(plan.pace_s)
         self.last_step = results[0]
         return [StepFinished(self.step_cells)]
 

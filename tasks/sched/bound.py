@@ -49,21 +49,28 @@ class Bound:
     run_s: float
 
 
-def dp_min(w: Workload) -> float:
-    """The fastest step on ``batch`` samples with any number of the cells."""
-    m = best_members(w.batch, w.train_s_per_sample, w.dp_sync_s, w.cells)
-    return dp_step_seconds(w.batch, m, w.train_s_per_sample, w.dp_sync_s)
+def dp_min(w: Workload, s_per_sample: float | None = None) -> float:
+    """The fastest step on ``batch`` samples with any number of the cells.
+
+    ``s_per_sample``: a sample's training cost (default ``train_s_per_sample``).
+    """
+    t = w.train_s_per_sample if s_per_sample is None else s_per_sample
+    m = best_members(w.batch, t, w.dp_sync_s, w.cells)
+    return dp_step_seconds(w.batch, m, t, w.dp_sync_s)
 
 
-def _batch_stats(w: Workload, j: int) -> tuple[float, float]:
-    """Mean duration and expected longest of batch ``j``'s rollouts (by index)."""
+def _batch_stats(w: Workload, j: int) -> tuple[float, float, float]:
+    """Mean duration, expected longest and mean training cost of batch ``j`` (by index)."""
     lo = j * w.batch
     idx = [lo + (w.batch - 1) * k // max(1, _POINTS - 1) for k in range(_POINTS)]
     meds = [w.median_at(i) for i in idx]
     mean = sum(capped_mean(m, w.sigma, w.timeout_s) for m in meds) / len(meds)
     # the smallest median's longest is a lower bound on the batch's longest
     longest = expected_max(min(meds), w.sigma, w.timeout_s, w.batch)
-    return mean, longest
+    train = w.train_s_per_sample
+    if w.train_follows_length:
+        train = sum(w.mean_train_cost(m) for m in meds) / len(meds)
+    return mean, longest, train
 
 
 def upper_bound(w: Workload, max_lag: int) -> Bound:
@@ -71,29 +78,32 @@ def upper_bound(w: Workload, max_lag: int) -> Bound:
     if max_lag < 0:
         raise ValueError(f"max_lag must be >= 0, got {max_lag}")
     n, b, L = w.steps, w.batch, max_lag
-    d = dp_min(w)
     stats = [_batch_stats(w, j) for j in range(n)]
+    ds = [dp_min(w, st[2]) for st in stats]  # the fastest step on batch j
+    d = ds[0]
     starts: list[float] = []
     work = 0.0  # rollout cell-seconds of batches 0..j
+    trained = 0.0  # training cell-seconds of batches 0..j-1
     for j in range(n):
         work += b * stats[j][0] / w.cap
-        s = starts[-1] + d if starts else 0.0
+        s = starts[-1] + ds[j - 1] if starts else 0.0
         if j == L:
             s = max(s, stats[0][1])
         elif j > L:
             u = j - L
-            s = max(s, starts[u - 1] + d + stats[u][1])
-        s = max(s, (work + j * b * w.train_s_per_sample) / w.cells)
+            s = max(s, starts[u - 1] + ds[u - 1] + stats[u][1])
+        s = max(s, (work + trained) / w.cells)
+        trained += b * stats[j][2]
         starts.append(s)
-    run = starts[-1] + d
+    run = starts[-1] + ds[-1]
     k = n // 4
     steady = b * (n - 1 - k) / (starts[-1] - starts[k]) * 3600 if n - 1 > k else 0.0
-    mean0, longest0 = stats[0]
+    mean0, longest0, train0 = stats[0]
     return Bound(
         whole_run_per_hour=n * b / run * 3600,
         steady_per_hour=steady,
         lag_window_per_hour=(L + 1) * b / (longest0 + d) * 3600,
-        capacity_per_hour=w.cells / (mean0 / w.cap + w.train_s_per_sample) * 3600,
+        capacity_per_hour=w.cells / (mean0 / w.cap + train0) * 3600,
         step_s=d,
         longest_s=longest0,
         run_s=run,

@@ -21,7 +21,10 @@ Mechanics, as in the real system:
 - a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout) once
   the cell has drained.
 - an optimizer step on ``b`` samples over ``m`` cells takes
-  ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP).
+  ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP); with
+  ``train_follows_length`` the ``b * train_s_per_sample`` is the sum of the
+  step's samples' :meth:`~tasks.sched.workload.Workload.train_cost` (each in
+  proportion to the generation time of its rollout).
 
 Policy lag is measured on tokens: a session's generation time is cut into
 segments by weight version (tokens are generated at a steady rate, so time
@@ -269,8 +272,11 @@ class Simulator:
             for c in d.cells:
                 self._change(c, "stepping", True)
             self.step_starts.append(self.now)
-            self._train(d.rollouts)
-            dt = dp_step_seconds(d.samples, len(d.cells), w.train_s_per_sample, w.dp_sync_s)
+            work = self._train(d.rollouts)
+            per = w.train_s_per_sample
+            if w.train_follows_length and d.samples:
+                per = work / d.samples  # the samples' mean cost
+            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s)
             self._push(self.now + dt, "step_done", (d.cells, d.samples, dt))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
@@ -361,15 +367,21 @@ class Simulator:
             self.version_on[c] = self.coord.version
         self._tick_soon()
 
-    def _train(self, rollouts: tuple[int, ...]) -> None:
-        """Record the lag of every token a step from the current weights trains."""
+    def _train(self, rollouts: tuple[int, ...]) -> float:
+        """Record the lag of every token a step from the current weights trains.
+
+        Returns the step's training work in cell-seconds (the samples' costs).
+        """
         w = self.coord.version  # the step starts from these weights
+        work = 0.0
         for idx in rollouts:
             dur, acc, vmin = self.done_rec.pop(idx)
+            work += self.w.train_cost(dur)
             self.lag_tokens += dur
             self.lag_sum += w * dur - acc
             self.lag_max = max(self.lag_max, w - vmin)
             self.lags.append(w - vmin)
+        return work
 
     def metrics(self) -> dict[str, float]:
         w = self.w

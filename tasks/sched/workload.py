@@ -18,6 +18,15 @@ cut rollout is still scored, partially). The median may move over the run:
   ``burst_factor`` (a wave of hard tasks; a run starts calm). In batches, so a
   pattern means the same at every cluster size.
 
+Training may grow with the rollouts: with ``train_follows_length`` a sample's
+training cost is proportional to its rollout's duration (a longer rollout has
+more tokens to train on), ``train_s_per_sample * d_i / mean0`` cell-seconds
+with ``mean0`` the mean rollout duration at the start of the run
+(:meth:`Workload.train_cost`). So ``train_s_per_sample`` stays the mean cost
+of a sample at the start of the run, and as the median grows ``growth`` times
+the mean training cost of a sample grows with it. Off (the default), every
+sample costs ``train_s_per_sample``.
+
 Files: YAML or JSON mappings of these field names (see bench/workloads/README.md);
 unknown keys and bad values are reported together (:class:`WorkloadError`).
 Pure module: no prefect, no distributed; reading a file is the only I/O.
@@ -63,6 +72,7 @@ class Workload:
     call_s: float = 60.0
     # training
     train_s_per_sample: float = 60.0
+    train_follows_length: bool = False
     dp_sync_s: float = 2.0
     # switching costs
     weight_load_s: float = 30.0
@@ -83,6 +93,27 @@ class Workload:
     def total_rollouts(self) -> int:
         """Rollouts the run trains: ``steps * batch``."""
         return self.steps * self.batch
+
+    @property
+    def start_mean_s(self) -> float:
+        """Mean rollout duration at the start of the run (no growth, no wave yet)."""
+        return capped_mean(self.median_s, self.sigma, self.timeout_s)
+
+    def train_cost(self, duration: float) -> float:
+        """Cell-seconds to train one sample whose rollout generated for ``duration`` s.
+
+        ``train_s_per_sample`` when training does not follow length; otherwise
+        ``train_s_per_sample * duration / start_mean_s`` (tokens ~ generation time).
+        """
+        if not self.train_follows_length:
+            return self.train_s_per_sample
+        return self.train_s_per_sample * duration / self.start_mean_s
+
+    def mean_train_cost(self, median: float) -> float:
+        """Expected :meth:`train_cost` of a rollout of median ``median``."""
+        if not self.train_follows_length:
+            return self.train_s_per_sample
+        return self.train_cost(capped_mean(median, self.sigma, self.timeout_s))
 
     def median_at(self, i: int) -> float:
         """Median duration of rollout ``i`` (growth and bursts applied)."""

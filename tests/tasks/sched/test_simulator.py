@@ -236,3 +236,34 @@ def test_elastic_lag_bound_on_every_bench_workload(lag):
         m = simulate(presets.elastic(w, lag), w, seed=1)
         assert m["lag_max"] <= lag, f
         assert m["sessions_broken"] == 0, f
+
+
+def test_training_follows_length_makes_steps_cost_their_samples():
+    """With ``train_follows_length`` a step costs its samples' generation time."""
+    w = Workload(
+        cells=4,
+        cap=2,
+        batch=8,
+        steps=3,
+        median_s=100.0,
+        sigma=0.0,
+        timeout_s=1e6,
+        train_s_per_sample=10.0,
+        dp_sync_s=0.0,
+        growth=4.0,
+        tick_s=1.0,
+    )
+    on = dataclasses.replace(w, train_follows_length=True)
+    sim_off = Simulator(presets.colocate(w), w)
+    sim_off.run()
+    sim_on = Simulator(presets.colocate(on), on)
+    sim_on.run()
+    steps_off = [e - s for s, e in zip(sim_off.step_starts, sim_off.step_ends, strict=True)]
+    steps_on = [e - s for s, e in zip(sim_on.step_starts, sim_on.step_ends, strict=True)]
+    # off: every step costs 8 * 10 cell-s over the same members
+    assert steps_off == pytest.approx([steps_off[0]] * 3)
+    # on: step j costs sum(10 * d_i / 100) over its rollouts (sigma 0: d_i = median_at(i))
+    for j in range(3):
+        work = sum(10.0 * on.median_at(i) / 100.0 for i in range(8 * j, 8 * j + 8))
+        assert steps_on[j] == pytest.approx(steps_off[j] * work / 80.0)
+    assert steps_on[2] > 2 * steps_on[0]

@@ -100,3 +100,19 @@ def test_capped_mean_and_expected_max_against_sampling():
     assert capped_mean(med, 0.0, cap) == med and expected_max(med, 0.0, 10.0, 5) == 10.0
     # closed form of the uncapped mean
     assert capped_mean(med, sigma, 1e12) == pytest.approx(med * math.exp(0.5))
+
+
+def test_growth_file_training_follows_length():
+    w = load_workload(f"{BENCH}/growth.yaml")
+    assert w.train_follows_length and w.growth == 12.0
+    mean0 = capped_mean(w.median_s, w.sigma, w.timeout_s)
+    assert w.start_mean_s == pytest.approx(mean0)
+    # a sample of the mean length costs train_s_per_sample; twice as long, twice the cost
+    assert w.train_cost(mean0) == pytest.approx(w.train_s_per_sample)
+    assert w.train_cost(2 * mean0) == pytest.approx(2 * w.train_s_per_sample)
+    # by the end of the run a mean sample costs ~10x (the capped mean grew ~10x)
+    end = w.mean_train_cost(w.median_s * w.growth)
+    assert 9 * w.train_s_per_sample < end < 11 * w.train_s_per_sample
+    # off (the default): every sample costs the same whatever its length
+    off = dataclasses.replace(w, train_follows_length=False)
+    assert off.train_cost(10 * mean0) == off.train_s_per_sample

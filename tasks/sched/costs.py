@@ -14,7 +14,11 @@ live and in the simulator:
   cost that drifts (training that grows with rollout length), and pulled
   towards the config guess by a weak prior (about ``prior_weight`` of one
   step), so a direction the run never explores (one member count all run)
-  keeps the guess's shape while the measured steps set its scale.
+  keeps the guess's shape while the measured steps set its scale. Such a fit
+  lags a drifting cost by about ``forget / (1 - forget)`` steps, so the
+  per-step trend of its prediction (smoothed, at most +-``max_drift``) carries
+  the estimate forward to the next step: steady growth is followed without
+  that lag.
 - **drain** (a rollout cell told to train until it trains: its sessions'
   next call boundaries plus the switch), **to rollout** (a train cell told to
   roll out until it does: switch plus weight load) and **weight load** (a
@@ -27,6 +31,7 @@ from ``SchedState.costs``. Pure module: no prefect, no distributed, no I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -90,14 +95,16 @@ class CostEstimator:
     train_s_per_sample: float
     dp_sync_s: float
     regroup_s: float = 0.0
-    forget: float = 0.8
+    forget: float = 0.85
     prior_weight: float = 0.05
     smooth: float = 0.3
+    max_drift: float = 0.1
     learn: bool = True
     _sxx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     _sxy: list[float] = field(default_factory=lambda: [0.0] * 3)
     _scale: list[float] | None = None  # typical feature sizes (the prior's metric)
     _theta: tuple[float, float, float] | None = None
+    _drift: float = 0.0  # smoothed log change per step of the fit's prediction
     _steps: int = 0
     _drain: float | None = None
     _to_rollout: float | None = None
@@ -127,7 +134,14 @@ class CostEstimator:
             for j in range(3):
                 self._sxx[i][j] = g * self._sxx[i][j] + x[i] * x[j]
         self._steps += 1
+        before = self._theta
         self._theta = self._fit()
+        if self._steps > 1 and before is not None:
+            at = lambda th: th[0] * self._scale[0] + th[1] * self._scale[1]  # noqa: E731
+            if at(before) > 0 and at(self._theta) > 0:
+                d = math.log(at(self._theta) / at(before))
+                d = max(-self.max_drift, min(self.max_drift, d))
+                self._drift += self.smooth * (d - self._drift)
 
     def _fit(self) -> tuple[float, float, float]:
         assert self._scale is not None
@@ -135,14 +149,14 @@ class CostEstimator:
         # the prior's weight per coefficient: a step that disagrees with the guess moves
         # the per-sample and per-member costs in proportion (the guess's shape, hence
         # its best member count, stays until other member counts are measured), and
-        # the regroup cost only by a sixth, unless steps with and without a regroup
+        # the regroup cost only by a third, unless steps with and without a regroup
         # tell them apart
         x0, m0 = self._scale[0], self._scale[1]
         y0 = x0 * prior[0] + m0 * prior[1]
         w = [
             self.prior_weight * x0 * y0 / max(prior[0], 0.01 * y0 / x0),
             self.prior_weight * m0 * y0 / max(prior[1], 0.01 * y0 / m0),
-            self.prior_weight * y0 / max(prior[2], 0.2 * y0),
+            self.prior_weight * y0 / max(prior[2], 0.5 * y0),
         ]
         free = [0, 1, 2]
         theta = [0.0, 0.0, 0.0]
@@ -181,4 +195,7 @@ class CostEstimator:
     def snapshot(self) -> Costs:
         assert self._theta is not None
         a, b, r = self._theta
+        # the fit is about forget / (1 - forget) steps old; the next step one more
+        ahead = math.exp(self._drift * (1.0 / (1.0 - self.forget) if self.forget < 1 else 1.0))
+        a, b = a * ahead, b * ahead
         return Costs(a, b, r, self._steps, self._drain, self._to_rollout, self._load)

@@ -44,6 +44,14 @@ from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_sig
 SLACK = 0.02  # see Elastic._target_members
 
 
+def step_costs(policy, s: SchedState) -> tuple[float, float]:
+    """Seconds per sample on one member and DP cost per member: the run's calibrated
+    estimates (``SchedState.costs``) when there are any, else the policy's config."""
+    if s.costs is not None:
+        return s.costs.train_s_per_sample, s.costs.dp_sync_s
+    return policy.train_s_per_sample, policy.dp_sync_s
+
+
 def _fill(
     cells: list[CellView], cap: int, budget: int, reserved: dict[int, int] | None = None
 ) -> list[Decision]:
@@ -112,7 +120,7 @@ class Colocate:
     def recommendations(self, s: SchedState) -> list[Decision]:
         if any(c.role in ("draining", "loading") for c in s.cells) or s.step_running:
             return []
-        members = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(s.cells))
+        members = best_members(self.batch, *step_costs(self, s), len(s.cells))
         batch_done = s.finished_prefix >= s.trained + self.batch and s.in_flight == 0
         if batch_done:
             train = [c for c in s.cells if c.role == "train"]
@@ -152,7 +160,7 @@ class Async:
         out: list[Decision] = []
         if not s.step_running and s.finished_prefix >= s.trained + self.batch:
             train = [c for c in s.cells if c.role == "train"]
-            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            m = best_members(self.batch, *step_costs(self, s), len(train))
             out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="index"))
         # rollout i belongs to batch i // batch and may start only with weights
         # >= that batch - max_lag: (version + max_lag + 1) * batch in all
@@ -186,7 +194,7 @@ class AsyncStream:
         out: list[Decision] = []
         if step_ready(s, self.batch, self.max_lag):
             train = [c for c in s.cells if c.role == "train"]
-            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            m = best_members(self.batch, *step_costs(self, s), len(train))
             out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="oldest"))
         allowed = admissible(s, self.batch, self.max_lag)
         if allowed == 0:
@@ -325,7 +333,7 @@ class Elastic:
         first two fall with ``m`` up to the fastest step, the last rises: the
         best ``m`` is where they cross. Without a duration yet, the fastest step.
         """
-        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
+        b, (t, sync) = self.batch, step_costs(self, s)
         n = len(s.cells)
         fastest = best_members(b, t, sync, n - self.core)
         if s.mean_duration <= 0:
@@ -371,7 +379,7 @@ class Elastic:
         empties about every ``cap`` rollout finishes. Picks the member count
         whose wait plus step time is least.
         """
-        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
+        b, (t, sync) = self.batch, step_costs(self, s)
         per_cell = s.cap / s.finish_rate if s.finish_rate > 0 else math.inf
 
         def total(m: int) -> float:

@@ -105,10 +105,11 @@ _RB, _RI, _TB, _TI, _SW = range(5)
 class Simulator:
     """One run of one policy on one seeded workload; call :meth:`run`."""
 
-    def __init__(self, policy: Policy, w: Workload, seed: int = 0) -> None:
+    def __init__(self, policy: Policy, w: Workload, seed: int = 0, calibrate: bool = True) -> None:
         self.w = w
         self.policy = policy
-        self.coord = Coordinator(policy, w.cells, w.cap)
+        # the policy's cost model learns from the times reported below, as live
+        self.coord = Coordinator(policy, w.cells, w.cap, calibrate=calibrate)
         self.dur = Durations(w, seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, str, tuple]] = []
@@ -123,6 +124,7 @@ class Simulator:
         self.phys = [0] * n  # sessions physically on the cell
         self.version_on = [0] * n  # weights loaded on the cell
         self.switches_of = [0] * n
+        self.move_at = [0.0] * n  # when the cell's last Move was carried out
         self.acc = [0.0] * 5
         self.rate = [0.0] * 5
         for c in range(n):
@@ -265,7 +267,7 @@ class Simulator:
             self.load_until[d.cell] = self.now + w.weight_load_s
             self.load_to[d.cell] = d.version
             self._pause_all(d.cell, self.load_until[d.cell], d.version)
-            self._push(self.load_until[d.cell], "loaded", (d.cell, d.version))
+            self._push(self.load_until[d.cell], "loaded", (d.cell, d.version, w.weight_load_s))
         elif isinstance(d, StartStep):
             for c in d.cells:
                 self._change(c, "stepping", True)
@@ -275,11 +277,12 @@ class Simulator:
             if w.train_follows_length and d.samples:
                 per = work / d.samples  # the samples' mean cost
             dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s)
-            self._push(self.now + dt, "step_done", (d.cells, d.samples))
+            self._push(self.now + dt, "step_done", (d.cells, d.samples, dt))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
             src = d.cell
             self.switches_of[src] += 1
+            self.move_at[src] = self.now
             self._change(src, "role", "draining" if d.to == "train" else "loading")
             if d.to == "rollout":
                 self._push(self.now + w.switch_s + w.weight_load_s, "move_done", (src,))
@@ -344,22 +347,22 @@ class Simulator:
         target = self.coord.cell(c).target
         assert target is not None
         self._change(c, "role", target)
-        self.coord.handle(MoveDone(c))
+        self.coord.handle(MoveDone(c, seconds=self.now - self.move_at[c]))
         self.version_on[c] = self.coord.version
         self._tick_soon()
 
-    def _loaded(self, c: int, v: int) -> None:
+    def _loaded(self, c: int, v: int, secs: float) -> None:
         self._change(c, "loading", False)
         self.version_on[c] = max(self.version_on[c], v)
-        self.coord.handle(WeightsLoaded(c, v))
+        self.coord.handle(WeightsLoaded(c, v, seconds=secs))
 
-    def _step_done(self, cells: tuple[int, ...], samples: int) -> None:
+    def _step_done(self, cells: tuple[int, ...], samples: int, secs: float) -> None:
         for c in cells:
             self._change(c, "stepping", False)
         self.stats["steps"] += 1
         self.stats["trained"] += samples
         self.step_ends.append(self.now)
-        self.coord.handle(StepFinished(cells))
+        self.coord.handle(StepFinished(cells, seconds=secs))
         for c in cells:
             self.version_on[c] = self.coord.version
         self._tick_soon()
@@ -425,6 +428,12 @@ class Simulator:
         }
 
 
-def simulate(policy: Policy, workload: Workload, seed: int = 0) -> dict[str, float]:
-    """Run ``policy`` on the seeded ``workload``; returns flat metrics."""
-    return Simulator(policy, workload, seed).run()
+def simulate(
+    policy: Policy, workload: Workload, seed: int = 0, calibrate: bool = True
+) -> dict[str, float]:
+    """Run ``policy`` on the seeded ``workload``; returns flat metrics.
+
+    ``calibrate=False``: the policy keeps its configured costs all run (no cost model
+    learnt from the run's events).
+    """
+    return Simulator(policy, workload, seed, calibrate).run()

@@ -135,10 +135,11 @@ def overrides(st: Setup, mode: str, rollout_cells: int, wfile: str) -> list[str]
     return o + [f"scheduler.pacing.{kk}={v}" for kk, v in ENGINE_PACING.items()]
 
 
-def predict(cfg) -> dict[str, float]:
-    """The simulator on exactly this run: the policy the flow builds, the paced workload."""
-    from tasks.sched.config import build_policy, paced_workload
-    from tasks.sched.simulator import simulate
+def predict(cfg, costs: dict[str, float] | None = None) -> dict[str, float]:
+    """The simulator on exactly this run: the policy the flow builds, the paced workload;
+    ``costs``: workload costs replaced by what the live run measured (``measured_costs``)."""
+    from tasks.sched.config import build_policy, coordinator_args, paced_workload
+    from tasks.sched.simulator import Simulator
 
     sc, r = cfg.scheduler, cfg.rollout
     n = cfg.cluster.rollout_cells + cfg.cluster.train_cells
@@ -150,7 +151,12 @@ def predict(cfg) -> dict[str, float]:
         sc, n_cells=n, rollout_cells=cfg.cluster.rollout_cells, batch=r.groups_per_step,
         max_lag=cfg.train.max_staleness, timeout_s=r.timeout_s,
     )  # fmt: skip
-    m = simulate(pol, w, seed=sc.seed)
+    if costs:
+        w = dataclasses.replace(w, **costs)
+    sim = Simulator(pol, w, seed=sc.seed)
+    for k, v in coordinator_args(sc.pacing).items():  # as the flow builds its coordinator
+        setattr(sim.coord, k, v)
+    m = sim.run()
     return {
         "groups_per_s": m["samples_per_hour"] / 3600.0,
         "seconds": m["hours"] * 3600.0,
@@ -243,6 +249,7 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     gt = [g for g in out["group_times"] if g[2] > 0]
     slot_over = [g[2] - g[1] - dur[g[0]] for g in gt]  # rollout task end - start - paced
     proc = [g[3] - g[2] for g in gt if g[3] > 0]  # processing before the finish event
+    fin = [g[3] - g[1] - dur[g[0]] for g in gt if g[3] > 0]  # the finish event's delay
     step_over = [s - p for s, p in zip(stats.step_s, stats.step_pace_s, strict=False)]
     # cell time: a rollout cell is busy with its booked slots, a train cell inside steps
     held = (
@@ -253,6 +260,17 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     in_roles = sum((x["rollout"] + x["train"]) * span for x in rows)
     in_steps = sum(x["in_steps"] * span for x in rows)
     idle = max(0.0, in_roles - held - in_steps) / max(1e-9, n * span)
+    # the executor's costs as the simulator's workload costs (live seconds)
+    to_roll = [x for x, to in zip(stats.switch_latency_s, stats.switch_to, strict=False)
+               if to == "rollout"]  # fmt: skip
+    load = statistics.fmean(stats.load_s) if stats.load_s else w.weight_load_s
+    load = max(load, w.weight_load_s)
+    costs = {
+        "finish_delay_s": max(0.0, statistics.fmean(fin)) if fin else 0.0,
+        "step_overhead_s": max(0.0, statistics.fmean(step_over)) if step_over else 0.0,
+        "weight_load_s": load,
+        "switch_s": max(w.switch_s, statistics.fmean(to_roll) - load) if to_roll else w.switch_s,
+    }
     cpu_self = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     lat = sorted(stats.switch_latency_s)
     return {
@@ -271,6 +289,7 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
         "switch_latency_s": lat[len(lat) // 2] if lat else 0.0,
         "failed_calls": int(gstats["gateway/errors"]) + int(failed),
         "ledger_duplicates": int(dup),
+        "measured_costs": costs,
         "overheads": {
             "slot_s_mean": statistics.fmean(slot_over) if slot_over else 0.0,
             "process_s_mean": statistics.fmean(proc) if proc else 0.0,
@@ -362,6 +381,9 @@ def bench(st: Setup, quick: bool, only: tuple[str, ...] = ()) -> dict[str, Any]:
                 t0 = time.monotonic()
                 sim = predict(cfg)
                 res[name] = run_mode(cells, store, model_dir, cfg, f"bench-{stamp}-{name}")
+                res[name]["sim_paced"] = sim  # the paced costs only: a prediction
+                res[name]["live_over_sim_paced"] = res[name]["groups_per_s"] / sim["groups_per_s"]
+                sim = predict(cfg, res[name]["measured_costs"])  # + the executor's own costs
                 res[name]["sim"] = sim
                 res[name]["live_over_sim"] = res[name]["groups_per_s"] / sim["groups_per_s"]
                 res[name]["rollout_cells"] = k
@@ -386,6 +408,7 @@ def figures(b: dict[str, Any], st: Setup) -> dict[str, Any]:
     best = max(asyncs, key=lambda k: asyncs[k]["groups_per_s"])
     e, c, a = res["elastic"], res["colocate"], res[adv]
     ratios = [v["live_over_sim"] for v in res.values()]
+    paced = [v["live_over_sim_paced"] for v in res.values()]
 
     def sim_ratio(x, y):
         return x["sim"]["groups_per_s"] / y["sim"]["groups_per_s"]
@@ -394,6 +417,8 @@ def figures(b: dict[str, Any], st: Setup) -> dict[str, Any]:
     return {
         "live_over_sim_min": min(ratios),
         "live_over_sim_max": max(ratios),
+        "live_over_sim_paced_min": min(paced),
+        "live_over_sim_paced_max": max(paced),
         "live_elastic_over_async_advance": e["groups_per_s"] / a["groups_per_s"],
         "live_elastic_over_async_best": e["groups_per_s"] / res[best]["groups_per_s"],
         "live_elastic_over_colocate": e["groups_per_s"] / c["groups_per_s"],
@@ -428,6 +453,8 @@ COLS = (
     ("groups_per_s", "live groups/s", "{:.4f}"),
     (("sim", "groups_per_s"), "sim groups/s", "{:.4f}"),
     ("live_over_sim", "live/sim", "{:.2f}"),
+    (("sim_paced", "groups_per_s"), "sim paced", "{:.4f}"),
+    ("live_over_sim_paced", "live/paced", "{:.2f}"),
     ("seconds", "live s", "{:.0f}"),
     (("sim", "seconds"), "sim s", "{:.0f}"),
     ("lag_mean", "lag", "{:.2f}"),
@@ -442,6 +469,8 @@ COLS = (
     (("overheads", "slot_s_mean"), "slot +s", "{:.2f}"),
     (("overheads", "process_s_mean"), "process s", "{:.2f}"),
     (("overheads", "step_s_mean"), "step +s", "{:.2f}"),
+    (("measured_costs", "switch_s"), "switch s", "{:.2f}"),
+    (("measured_costs", "weight_load_s"), "load s", "{:.2f}"),
 )
 
 
@@ -462,6 +491,8 @@ def table(res: dict[str, Any]) -> str:
 KEYS = (
     "live_over_sim_min",
     "live_over_sim_max",
+    "live_over_sim_paced_min",
+    "live_over_sim_paced_max",
     "live_elastic_over_async_advance",
     "sim_elastic_over_async_advance",
     "live_elastic_over_async_best",
@@ -490,7 +521,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--time-scale", type=float, default=1 / 240, help="live seconds per workload second"
     )
     ap.add_argument(
-        "--call-s", type=float, default=0.0, help="workload seconds between calls (0: file's)"
+        "--call-s",
+        type=float,
+        default=600.0,
+        help="workload seconds between a session's model calls, replacing the file's (0: the "
+        "file's); 600 at 1/240 is a call every 2.5 s live",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="run only these modes (comma-separated)")

@@ -38,7 +38,7 @@ from tasks.env.heldout import train_task_seed
 from tasks.handles import GroupSpec
 from tasks.process import process_group
 from tasks.rollout import FailedSessions, RolloutsFailed, admin_token_variable, rollout_group
-from tasks.sched.config import build_policy, group_shape, paced_workload
+from tasks.sched.config import build_policy, coordinator_args, group_shape, paced_workload
 from tasks.sched.coordinator import (
     Coordinator,
     Decision,
@@ -254,7 +254,7 @@ def schedule(
         max_lag=cfg.train.max_staleness,
         timeout_s=r.timeout_s,
     )
-    coord = Coordinator(policy, n_cells, sc.groups_per_cell)
+    coord = Coordinator(policy, n_cells, sc.groups_per_cell, **coordinator_args(sc.pacing))
     stop_event = f"gyre-stop-{run_id}"
     work = PrefectWork(run_id, cfg, store, gateway, stop_event, first_group)
     engine = EngineSpec(

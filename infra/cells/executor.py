@@ -135,6 +135,8 @@ class Stats:
     switch_latency_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     step_pace_s: list[float] = field(default_factory=list)  # paced device time (0: none)
+    switch_to: list[str] = field(default_factory=list)  # the role of each switch_latency_s
+    load_s: list[float] = field(default_factory=list)  # decided weight loads, seconds
     cells_lost: int = 0
     cells_healed: int = 0
     step_retries: int = 0
@@ -196,6 +198,7 @@ class Executor(Healing):
         self.watch_s = watch_s
         self.switch_s, self.weight_load_s = switch_s, weight_load_s
         self._reroute: dict[int, dict[str, str]] = {}  # cell -> group id -> target cell id
+        self._load_t: dict[int, float] = {}  # cell -> when its LoadWeights was applied
         self.membership = Membership(self.addrs, heal_timeout_s)  # shares self.addrs
         self.lost_addr: dict[int, str] = {}
         self._cell_locks = [threading.RLock() for _ in self.addrs]
@@ -312,6 +315,7 @@ class Executor(Healing):
         elif isinstance(d, LoadWeights):
             v = self.run_version(d.version)
             self.record(d.cell, "decide", "rollout", reason, f"load v{v}")
+            self._load_t[d.cell] = time.time()
             self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v)
         elif isinstance(d, StartStep):
             self._start_step(d, reason)
@@ -375,11 +379,17 @@ class Executor(Healing):
         if kind == "moved":
             _, i, role, t_decided = item
             self.roles[i] = role
-            self.stats.switch_latency_s.append(time.time() - t_decided)
-            return [MoveDone(i)]
+            secs = time.time() - t_decided
+            self.stats.switch_latency_s.append(secs)
+            self.stats.switch_to.append(role)
+            return [MoveDone(i, seconds=secs)]  # measured: the policy's cost model learns it
         if kind == "loaded":
             _, i, v = item
-            return [WeightsLoaded(i, self.coord_version(v))]
+            t = self._load_t.pop(i, None)
+            secs = None if t is None else time.time() - t
+            if secs is not None:
+                self.stats.load_s.append(secs)
+            return [WeightsLoaded(i, self.coord_version(v), seconds=secs)]
         if kind == "member":
             if item[1] != self.step_token or self.step_retry is not None:
                 return []  # an aborted attempt's member
@@ -648,7 +658,7 @@ class Executor(Healing):
         self.stats.step_s.append(time.time() - self.step_t0)
         self.stats.step_pace_s.append(plan.pace_s)
         self.last_step = results[0]
-        return [StepFinished(self.step_cells)]
+        return [StepFinished(self.step_cells, seconds=self.stats.step_s[-1])]
 
     def engine_counters(self) -> dict[str, dict[str, Any]]:
         """Each engine's counters (paced device time, decode steps), by cell id."""

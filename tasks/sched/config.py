@@ -206,6 +206,17 @@ def paced_workload(
     return dataclasses.replace(w, cells=cells, cap=cap, batch=batch, steps=steps, **scaled)
 
 
+def coordinator_args(pacing: PacingConfig) -> dict[str, float]:
+    """The Coordinator's own time constants for a run paced by a workload file, scaled as
+    the file is (its finish-rate smoothing), so the live coordinator and the simulated one
+    on the paced workload see the file's run at the same speed; ``{}`` when not paced."""
+    if not pacing.workload:
+        return {}
+    from tasks.sched.coordinator import Coordinator
+
+    return {"rate_tau_s": Coordinator.rate_tau_s * pacing.time_scale}
+
+
 def group_shape(
     pacing: PacingConfig, subtasks: int, index: int, total: int, seed: int
 ) -> tuple[int, float, float]:

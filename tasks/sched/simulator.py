@@ -20,6 +20,10 @@ Mechanics, as in the real system:
   after it they generate with the new version.
 - a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout) once
   the cell has drained.
+- a rollout's sample reaches the water level ``finish_delay_s`` after its last
+  token (its slot stays booked meanwhile), and every step costs
+  ``step_overhead_s`` on top: the executor's own costs, 0 unless a live bench
+  measured them (bench/modes.py).
 - an optimizer step on ``b`` samples over ``m`` cells takes
   ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP); with
   ``train_follows_length`` the ``b * train_s_per_sample`` is the sum of the
@@ -228,7 +232,7 @@ class Simulator:
         s = self.sess.get(idx)
         if s is None or s.epoch != epoch:
             return  # superseded by a pause or a migration
-        s.close(self.now)
+        s.close(min(self.now, s.end()))  # generation ended finish_delay_s ago
         del self.sess[idx]
         self.on_cell[s.phys].discard(idx)
         self.inbound[s.logical].discard(idx)
@@ -243,11 +247,13 @@ class Simulator:
         """Sessions on ``c`` stop generating until ``until``, then use ``version``."""
         for idx in self.on_cell[c]:
             s = self.sess[idx]
+            if s.progress(self.now) >= s.dur:
+                continue  # done generating, its sample on the way (finish_delay_s)
             s.close(self.now)
             s.run_from = max(s.run_from, until)
             s.ver = version
             s.epoch += 1
-            self._push(s.end(), "done", (idx, s.epoch))
+            self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
 
     def _execute(self, d: Decision) -> None:
         w = self.w
@@ -259,7 +265,7 @@ class Simulator:
                 s = _Sess(idx, d.cell, self.dur[idx], self.now, v)
                 self.sess[idx] = s
                 self.on_cell[d.cell].add(idx)
-                self._push(s.end(), "done", (idx, 0))
+                self._push(s.end() + w.finish_delay_s, "done", (idx, 0))
             self._change(d.cell, "phys", self.phys[d.cell] + d.n)
         elif isinstance(d, LoadWeights):
             self.stats["weight_loads"] += 1
@@ -276,7 +282,7 @@ class Simulator:
             per = w.train_s_per_sample
             if w.train_follows_length and d.samples:
                 per = work / d.samples  # the samples' mean cost
-            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s)
+            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s) + w.step_overhead_s
             self._push(self.now + dt, "step_done", (d.cells, d.samples, dt))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
@@ -339,7 +345,7 @@ class Simulator:
         self.on_cell[tgt].add(idx)
         self._change(tgt, "phys", self.phys[tgt] + 1)
         self.stats["migrations"] += 1
-        self._push(s.end(), "done", (idx, s.epoch))
+        self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
 
     def _move_done(self, c: int) -> None:
         if self.on_cell[c]:  # a session still here when the cell changes role

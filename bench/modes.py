@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cells", type=int, default=8)
     ap.add_argument("--cap", type=int, default=2, help="groups per rollout cell")
     ap.add_argument("--batch", type=int, default=0, help="groups per step (0: cells x cap)")
-    ap.add_argument("--steps", type=int, default=0, help="0: 8 (--quick: 4)")
+    ap.add_argument("--steps", type=int, default=0, help="0: 8 (--quick: 3)")
     ap.add_argument(
         "--time-scale", type=float, default=1 / 240, help="live seconds per workload second"
     )
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cells=args.cells,
         cap=args.cap,
         batch=args.batch or args.cells * args.cap,
-        steps=args.steps or (4 if args.quick else 8),
+        steps=args.steps or (3 if args.quick else 8),
         time_scale=args.time_scale,
         call_s=args.call_s,
         seed=args.seed,

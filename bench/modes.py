@@ -165,6 +165,7 @@ def predict(cfg, costs: dict[str, float] | None = None) -> dict[str, float]:
         "idle": m["idle_fraction"],
         "switches": m["role_switches"],
         "migrations": m["migrations"],
+        "wasted_switches": m.get("wasted_switches", 0.0),
         "broken": m["sessions_broken"],
     }
 
@@ -274,6 +275,7 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     cpu_self = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     lat = sorted(stats.switch_latency_s)
     return {
+        "wasted_switches": wasted_switches(out.get("timeline", [])),
         "seconds": end,
         "groups_per_s": groups / end,
         "lag_mean": sum((s["lag_mean"] or 0) * s["tokens"] for s in steps) / tok,
@@ -300,6 +302,22 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
             "loadavg_1m": os.getloadavg()[0],
         },
     }
+
+
+def wasted_switches(timeline: list[dict[str, Any]]) -> int:
+    """Both moves of every cell recruited to training and sent back without joining a step
+    (as the simulator counts them)."""
+    out, recruited = 0, {}
+    for e in sorted(timeline, key=lambda e: e["t"]):
+        c = e["cell"]
+        if e["event"] == "decide" and e["role"] == "draining":
+            recruited[c] = False
+        elif e["event"] == "step":
+            recruited[c] = True
+        elif e["event"] == "decide" and e["role"] == "loading" and recruited.get(c) is False:
+            out += 2
+            recruited.pop(c)
+    return out
 
 
 def choose_splits(st: Setup, quick: bool) -> tuple[int, int, dict[int, float], list[int]]:
@@ -463,6 +481,8 @@ COLS = (
     (("sim", "idle"), "sim idle", "{:.2f}"),
     ("switches", "switches", "{}"),
     (("sim", "switches"), "sim sw", "{:.0f}"),
+    ("wasted_switches", "wasted", "{}"),
+    (("sim", "wasted_switches"), "sim wasted", "{:.0f}"),
     ("sessions_rerouted", "rerouted", "{}"),
     ("kv_moved", "KV moves", "{}"),
     ("failed_calls", "failed", "{}"),

@@ -372,6 +372,7 @@ def schedule(
         "seconds": seconds,
         "t0_wall": t0_wall,  # the first decision (time.time()); steps' t_end are on this clock
         "group_times": [(g.index, g.t_start, g.t_rollout, g.t_done) for g in ex.groups.values()],
+        "timeline": list(ex.timeline),  # role changes and steps per cell (bench/modes.py)
         "stats": ex.stats,
         "decisions": decisions,
         "report": report,

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from tasks.sched.costs import Costs, CostEstimator
+from tasks.sched.costs import CostEstimator, Costs
 
 Role = Literal["rollout", "train", "draining", "loading"]
 

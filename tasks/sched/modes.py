@@ -42,6 +42,7 @@ from tasks.sched.lag import admissible, step_eta, step_ready
 from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_signal
 
 SLACK = 0.02  # see Elastic._target_members
+TRIP_SHARE = 0.05  # see Elastic._target_members
 
 
 def step_costs(policy, s: SchedState) -> tuple[float, float]:
@@ -245,6 +246,7 @@ class Elastic:
     block: int = 1
     streaming: bool = True
     trip_in_sizing: bool = True
+    window_from_run: bool = True
     name: str = "elastic"
 
     def _trip(self, s: SchedState) -> float:
@@ -358,18 +360,29 @@ class Elastic:
         b, (t, sync) = self.batch, step_costs(self, s)
         n, per = len(s.cells), self.max_lag + 1
         # a member makes one round trip per L + 1 steps (recruited for a run of
-        # steps, lent out after it): cell time the pool pays per step
+        # steps, lent out after it): cell time the pool pays per step. Counted
+        # where a round trip is at least TRIP_SHARE of the rollout cap (a lent
+        # cell's late rollouts then show at the lag gate: costly switches);
+        # below that, staffing for the fastest step paid more in every row we ran
         trip = self._trip(s) if self.trip_in_sizing else 0.0
+        if trip < TRIP_SHARE * self.timeout_s:
+            trip = 0.0
+        gross = best_members(b, t, sync, n - self.core)
+
+        # the lag window: the cap, or the longest recent rollout where they end sooner
+        window = self.timeout_s
+        if self.window_from_run and s.longest_duration > 0:
+            window = min(window, s.longest_duration)
 
         def lag_time(m: int) -> float:
             d = dp_step_seconds(b, m, t, sync)
-            return max((self.timeout_s + d) / per, d) + trip * m / (per * n)
+            return max((window + d) / per, d) + trip * m / (per * n)
 
         def cap_time(m: int) -> float:
             return (b * s.mean_duration / s.cap + b * t + sync * m * m + trip * m / per) / n
 
         # the fastest step, less what its members' round trips cost the pool
-        fastest = _argmin(lag_time, 1, best_members(b, t, sync, n - self.core))
+        fastest = _argmin(lag_time, 1, gross)
         if s.mean_duration <= 0:
             return fastest
 

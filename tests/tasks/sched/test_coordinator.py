@@ -293,6 +293,20 @@ def test_elastic_training_size_pays_for_round_trips():
     assert elastic(**kw, max_lag=1)._target_members(s) == 346
 
 
+def test_coordinator_longest_duration_over_the_window():
+    """One slot: rollouts of 500, 100 and 100 s one after another; the longest of the
+    last two is 100 once the 500 s one has left the window."""
+    co = Coordinator(AsyncStream(batch=2, rollout_cells=1, max_lag=1), 2, 1, duration_window=2)
+    co.handle(Tick(0.0))
+    for i, t in enumerate((500.0, 600.0, 700.0)):
+        co.handle(Tick(t))
+        co.handle(RolloutFinished(0, i))
+        co.handle(Tick(t))  # the next rollout starts at t
+        if i == 1:
+            assert co.state().longest_duration == 500.0
+    assert co.state().longest_duration == 100.0
+
+
 def test_coordinator_mean_duration_over_finishes():
     co = Coordinator(AsyncStream(batch=2, rollout_cells=1, max_lag=1), n_cells=2, cap=4)
     co.handle(Tick(0.0))  # starts rollouts 0-3 at t = 0

@@ -85,7 +85,9 @@ class SchedState:
     :class:`VersionCount`). ``published_at``: when ``version`` was published
     (the end of the last step; 0 for version 0). ``mean_duration``: how long
     a rollout holds its slot, start to finish, averaged over about the last
-    ``Coordinator.duration_window`` finished rollouts (0 before any).
+    ``Coordinator.duration_window`` finished rollouts (0 before any);
+    ``longest_duration``: the longest of the last ``duration_window``
+    (0 before any) -- how long a lag gate waits, where rollouts end before the cap.
     ``costs``: the cost model calibrated from this run's steps, role changes
     and weight loads (``tasks/sched/costs.py``; ``None`` when the coordinator
     has no estimator): policies size training and set their marks from it.
@@ -106,6 +108,7 @@ class SchedState:
     published_at: float = 0.0
     mean_duration: float = 0.0
     costs: Costs | None = None
+    longest_duration: float = 0.0
 
     def count(self, role: Role) -> int:
         return sum(1 for c in self.cells if c.role == role)
@@ -288,6 +291,9 @@ class Coordinator:
     duration_window: int = 0
     mean_duration: float = 0.0
     _n_done: int = 0
+    # the last duration_window durations, and a monotone deque of (index, duration)
+    # for their maximum
+    _long_q: deque[tuple[int, float]] = field(default_factory=deque)
     _cells: list[_Cell] = field(default_factory=list)
     _finished: set[int] = field(default_factory=set)
     finished_prefix: int = 0
@@ -370,6 +376,7 @@ class Coordinator:
             versions=self._versions(),
             published_at=self.published_at,
             mean_duration=self.mean_duration,
+            longest_duration=self._long_q[0][1] if self._long_q else 0.0,
             costs=self.costs.snapshot() if self.costs is not None else None,
         )
 
@@ -399,6 +406,12 @@ class Coordinator:
             self._n_done += 1
             k = min(self._n_done, self.duration_window)
             self.mean_duration += (self.now - start - self.mean_duration) / k
+            q, dur = self._long_q, self.now - start
+            while q and q[-1][1] <= dur:
+                q.pop()
+            q.append((self._n_done, dur))
+            while q[0][0] <= self._n_done - self.duration_window:
+                q.popleft()
             self._n_fly[base] -= 1
             if event.version is not None:
                 base = min(base, event.version)

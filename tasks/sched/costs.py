@@ -9,7 +9,8 @@ live and in the simulator:
 
 - **step time** ``= a * samples / members + b * members + r * regrouped``
   (``a``: seconds per sample on one member, ``b``: DP cost per member, ``r``:
-  extra when the members differ from the previous step's), a least-squares fit
+  extra when the members differ from the previous step's). ``a`` and ``b``: a
+  least-squares fit (of the time less ``r`` where a step regrouped)
   over the steps so far, each weighted ``forget ** age`` so the fit follows a
   cost that drifts (training that grows with rollout length), and pulled
   towards the config guess by a weak prior (about ``prior_weight`` of one
@@ -18,7 +19,14 @@ live and in the simulator:
   lags a drifting cost by about ``forget / (1 - forget)`` steps, so the
   per-step trend of its prediction (smoothed, at most +-``max_drift``) carries
   the estimate forward to the next step: steady growth is followed without
-  that lag.
+  that lag. ``r``: the smoothed residual of regrouped steps less that of the
+  others (at least 0), kept out of the fit: when the per-sample cost swings
+  from step to step (which rollouts a step trains), a third coefficient fitted
+  jointly soaks up the swing. Off by default (``learn_regroup``): in the
+  simulator, whose regroups are free, the first step of each pair (new
+  members) trains the oldest, longest rollouts, so "regrouped" steps cost more
+  for another reason and ``r`` came out at 100-650 s; the policy does not use
+  ``r`` yet.
 - **drain** (a rollout cell told to train until it trains: its sessions'
   next call boundaries plus the switch), **to rollout** (a train cell told to
   roll out until it does: switch plus weight load) and **weight load** (a
@@ -100,10 +108,13 @@ class CostEstimator:
     smooth: float = 0.3
     max_drift: float = 0.1
     learn: bool = True
-    _sxx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _sxy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    learn_regroup: bool = False
+    _sxx: list[list[float]] = field(default_factory=lambda: [[0.0] * 2 for _ in range(2)])
+    _sxy: list[float] = field(default_factory=lambda: [0.0] * 2)
     _scale: list[float] | None = None  # typical feature sizes (the prior's metric)
-    _theta: tuple[float, float, float] | None = None
+    _theta: tuple[float, float] | None = None
+    _regroup: float = 0.0
+    _res: list[float | None] = field(default_factory=lambda: [None, None])  # not / regrouped
     _drift: float = 0.0  # smoothed log change per step of the fit's prediction
     _steps: int = 0
     _drain: float | None = None
@@ -118,24 +129,31 @@ class CostEstimator:
             )
         if not 0 < self.forget <= 1:
             raise ValueError(f"forget must be in (0, 1], got {self.forget}")
-        self._theta = (self.train_s_per_sample, self.dp_sync_s, self.regroup_s)
+        self._theta = (self.train_s_per_sample, self.dp_sync_s)
+        self._regroup = self.regroup_s
 
     # -- measurements
     def step(self, samples: int, members: int, seconds: float, regrouped: bool = False) -> None:
         """One optimizer step on ``samples`` over ``members`` took ``seconds``."""
         if not self.learn or members < 1 or samples < 1 or not seconds >= 0:
             return
-        x = [samples / members, float(members), 1.0 if regrouped else 0.0]
+        x = [samples / members, float(members)]
         if self._scale is None:
-            self._scale = [x[0], x[1], 1.0]
+            self._scale = x[:]
+        y = seconds - (self._regroup if regrouped else 0.0)
         g = self.forget
-        for i in range(3):
-            self._sxy[i] = g * self._sxy[i] + x[i] * seconds
-            for j in range(3):
+        for i in range(2):
+            self._sxy[i] = g * self._sxy[i] + x[i] * y
+            for j in range(2):
                 self._sxx[i][j] = g * self._sxx[i][j] + x[i] * x[j]
         self._steps += 1
         before = self._theta
         self._theta = self._fit()
+        a, b = self._theta
+        k = 1 if regrouped else 0
+        self._res[k] = self._ewma(self._res[k], seconds - a * x[0] - b * x[1])
+        if self.learn_regroup and self._res[0] is not None and self._res[1] is not None:
+            self._regroup = max(0.0, self._res[1] - self._res[0])
         if self._steps > 1 and before is not None:
             at = lambda th: th[0] * self._scale[0] + th[1] * self._scale[1]  # noqa: E731
             if at(before) > 0 and at(self._theta) > 0:
@@ -143,23 +161,20 @@ class CostEstimator:
                 d = max(-self.max_drift, min(self.max_drift, d))
                 self._drift += self.smooth * (d - self._drift)
 
-    def _fit(self) -> tuple[float, float, float]:
+    def _fit(self) -> tuple[float, float]:
         assert self._scale is not None
-        prior = (self.train_s_per_sample, self.dp_sync_s, self.regroup_s)
+        prior = (self.train_s_per_sample, self.dp_sync_s)
         # the prior's weight per coefficient: a step that disagrees with the guess moves
         # the per-sample and per-member costs in proportion (the guess's shape, hence
-        # its best member count, stays until other member counts are measured), and
-        # the regroup cost only by a third, unless steps with and without a regroup
-        # tell them apart
-        x0, m0 = self._scale[0], self._scale[1]
+        # its best member count, stays until other member counts are measured)
+        x0, m0 = self._scale
         y0 = x0 * prior[0] + m0 * prior[1]
         w = [
             self.prior_weight * x0 * y0 / max(prior[0], 0.01 * y0 / x0),
             self.prior_weight * m0 * y0 / max(prior[1], 0.01 * y0 / m0),
-            self.prior_weight * y0 / max(prior[2], 0.5 * y0),
         ]
-        free = [0, 1, 2]
-        theta = [0.0, 0.0, 0.0]
+        free = [0, 1]
+        theta = [0.0, 0.0]
         while free:  # least squares with the prior; a negative coefficient is fixed at 0
             a = [[self._sxx[i][j] + (w[i] if i == j else 0.0) for j in free] for i in free]
             y = [self._sxy[i] + w[i] * prior[i] for i in free]
@@ -172,7 +187,7 @@ class CostEstimator:
             free = [i for i in free if i not in neg]
         # a sample always costs something: never below a thousandth of the guess
         theta[0] = max(theta[0], 1e-3 * self.train_s_per_sample)
-        return theta[0], theta[1], theta[2]
+        return theta[0], theta[1]
 
     def _ewma(self, old: float | None, x: float) -> float:
         return x if old is None else old + self.smooth * (x - old)
@@ -194,8 +209,15 @@ class CostEstimator:
 
     def snapshot(self) -> Costs:
         assert self._theta is not None
-        a, b, r = self._theta
+        a, b = self._theta
         # the fit is about forget / (1 - forget) steps old; the next step one more
         ahead = math.exp(self._drift * (1.0 / (1.0 - self.forget) if self.forget < 1 else 1.0))
-        a, b = a * ahead, b * ahead
-        return Costs(a, b, r, self._steps, self._drain, self._to_rollout, self._load)
+        return Costs(
+            a * ahead,
+            b * ahead,
+            self._regroup,
+            self._steps,
+            self._drain,
+            self._to_rollout,
+            self._load,
+        )

@@ -42,6 +42,7 @@ from tasks.sched.lag import admissible, step_eta, step_ready
 from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_signal
 
 SLACK = 0.02  # see Elastic._target_members
+TRIP_SHARE = 0.05  # see Elastic._target_members
 
 
 def step_costs(policy, s: SchedState) -> tuple[float, float]:
@@ -227,6 +228,11 @@ class Elastic:
     - core retention: cells ``0 .. core-1`` always roll out.
     - allocation in blocks of ``block`` cells (1 = per cell; larger is the
       "no per-cell allocation" ablation).
+    - sizing from the run's own costs: the step model and a member's round trip
+      come from ``SchedState.costs`` (calibrated, ``tasks/sched/costs.py``) and
+      training is staffed with the member count whose run is fastest net of
+      the round trips its members make (``trip_in_sizing=False``: the ablation
+      that counts no trips).
     """
 
     batch: int
@@ -239,7 +245,17 @@ class Elastic:
     min_dwell_s: float = 300.0
     block: int = 1
     streaming: bool = True
+    trip_in_sizing: bool = True
+    window_from_run: bool = True
     name: str = "elastic"
+
+    def _trip(self, s: SchedState) -> float:
+        """Seconds of a cell's round trip rollout -> train -> rollout: measured when the
+        run has made both moves, else the marks' dead band (config)."""
+        c = s.costs
+        if c is not None and c.drain_s is not None and c.to_rollout_s is not None:
+            return c.drain_s + c.to_rollout_s
+        return self.marks.high - self.marks.low
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
         if not 1 <= self.core < n_cells:
@@ -291,6 +307,9 @@ class Elastic:
             if m_now and self._members(s, m_now, m_soon, m_best) == m_now:
                 recruits, leaving, reserved = [], set(), {}  # not worth the wait
                 order = "oldest" if self.streaming else "index"
+                if m_now == m_best:  # cells already in training cost no trip: use them
+                    t, sync = step_costs(self, s)
+                    m_now = min(len(idle_train), max(m_best, best_members(b, t, sync, n)))
                 out.append(StartStep(tuple(c.id for c in idle_train[:m_now]), b, order=order))
                 stepping = True
                 idle_train = idle_train[m_now:]
@@ -329,22 +348,43 @@ class Elastic:
         Per step the run needs at least ``(timeout + d(m)) / (L + 1)`` (the lag
         window, ``tasks/sched/bound.py``), ``d(m)`` (steps run one at a time)
         and ``(batch * mean_duration / cap + batch * t + sync * m^2) / cells``
-        (capacity: the rollouts' slot time plus the step's cell time). The
-        first two fall with ``m`` up to the fastest step, the last rises: the
-        best ``m`` is where they cross. Without a duration yet, the fastest step.
+        (capacity: the rollouts' slot time plus the step's cell time). Each
+        member also makes a round trip (``trip`` s: drain, switch, weight load,
+        measured by the run's cost model) per ``L + 1`` steps: ``trip * m / (L + 1)``
+        cell-seconds per step, added to both (in the lag window as what it costs
+        the pool, ``/ cells``). The first two fall with ``m`` up to the fastest
+        step net of trips, the last rises: the best ``m`` is where they cross.
+        ``d`` and ``t`` come from the calibrated costs (``SchedState.costs``).
+        Without a duration yet, the fastest step net of trips.
         """
         b, (t, sync) = self.batch, step_costs(self, s)
-        n = len(s.cells)
-        fastest = best_members(b, t, sync, n - self.core)
-        if s.mean_duration <= 0:
-            return fastest
+        n, per = len(s.cells), self.max_lag + 1
+        # a member makes one round trip per L + 1 steps (recruited for a run of
+        # steps, lent out after it): cell time the pool pays per step. Counted
+        # where a round trip is at least TRIP_SHARE of the rollout cap (a lent
+        # cell's late rollouts then show at the lag gate: costly switches);
+        # below that, staffing for the fastest step paid more in every row we ran
+        trip = self._trip(s) if self.trip_in_sizing else 0.0
+        if trip < TRIP_SHARE * self.timeout_s:
+            trip = 0.0
+        gross = best_members(b, t, sync, n - self.core)
+
+        # the lag window: the cap, or the longest recent rollout where they end sooner
+        window = self.timeout_s
+        if self.window_from_run and s.longest_duration > 0:
+            window = min(window, s.longest_duration)
 
         def lag_time(m: int) -> float:
             d = dp_step_seconds(b, m, t, sync)
-            return max((self.timeout_s + d) / (self.max_lag + 1), d)
+            return max((window + d) / per, d) + trip * m / (per * n)
 
         def cap_time(m: int) -> float:
-            return (b * s.mean_duration / s.cap + b * t + sync * m * m) / n
+            return (b * s.mean_duration / s.cap + b * t + sync * m * m + trip * m / per) / n
+
+        # the fastest step, less what its members' round trips cost the pool
+        fastest = _argmin(lag_time, 1, gross)
+        if s.mean_duration <= 0:
+            return fastest
 
         if lag_time(fastest) >= cap_time(fastest):
             return fastest
@@ -468,6 +508,17 @@ class Elastic:
                 for tgt, k in r:
                     reserved[tgt] = reserved.get(tgt, 0) + k
         return out
+
+
+def _argmin(f, lo: int, hi: int) -> int:
+    """The smallest m in [lo, hi] minimising f (f convex on the integers)."""
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if f(a) <= f(b):
+            hi = b
+        else:
+            lo = a
+    return min(range(lo, hi + 1), key=lambda m: (f(m), m))
 
 
 def _first(pred, lo: int, hi: int) -> int:

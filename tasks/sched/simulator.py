@@ -40,7 +40,8 @@ Metrics: whole-run rate (``steps * batch`` over the time to the last step's
 end) and steady rate (batch over the mean gap between step starts after the
 first quarter of the run), cell-time split into busy / idle / switching (a
 rollout cell is busy in proportion to its occupied slots), lag, role switches
-(per cell-day, and the most by one cell), sessions broken.
+(per cell-day, and the most by one cell; *wasted*: both moves of a cell
+recruited to training and sent back without joining a step), sessions broken.
 Deterministic for a seed. Pure module: no prefect, no distributed, no I/O.
 """
 
@@ -129,6 +130,7 @@ class Simulator:
         self.version_on = [0] * n  # weights loaded on the cell
         self.switches_of = [0] * n
         self.move_at = [0.0] * n  # when the cell's last Move was carried out
+        self.stepped = [True] * n  # joined a step since it last moved to training
         self.acc = [0.0] * 5
         self.rate = [0.0] * 5
         for c in range(n):
@@ -150,6 +152,7 @@ class Simulator:
             "broken": 0,
             "migrations": 0,
             "weight_loads": 0,
+            "wasted_switches": 0,
         }
         self.step_starts: list[float] = []
         self.step_ends: list[float] = []
@@ -277,6 +280,7 @@ class Simulator:
         elif isinstance(d, StartStep):
             for c in d.cells:
                 self._change(c, "stepping", True)
+                self.stepped[c] = True
             self.step_starts.append(self.now)
             work = self._train(d.rollouts)
             per = w.train_s_per_sample
@@ -289,6 +293,10 @@ class Simulator:
             src = d.cell
             self.switches_of[src] += 1
             self.move_at[src] = self.now
+            if d.to == "train":
+                self.stepped[src] = False
+            elif not self.stepped[src]:  # recruited, never trained, sent back
+                self.stats["wasted_switches"] += 2
             self._change(src, "role", "draining" if d.to == "train" else "loading")
             if d.to == "rollout":
                 self._push(self.now + w.switch_s + w.weight_load_s, "move_done", (src,))
@@ -431,6 +439,7 @@ class Simulator:
             "sessions_broken": float(st["broken"]),
             "migrations": float(st["migrations"]),
             "weight_loads": float(st["weight_loads"]),
+            "wasted_switches": float(st["wasted_switches"]),
         }
 
 

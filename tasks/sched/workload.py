@@ -50,7 +50,14 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    """One simulated run and its costs (seconds; sizes in cells, sessions, samples)."""
+    """One simulated run and its costs (seconds; sizes in cells, sessions, samples).
+
+    ``train_follows_length``: a sample's training cost is in proportion to its
+    rollout's generation time, ``train_s_per_sample * d / start_mean_s`` (see
+    :meth:`train_cost`): ``train_s_per_sample`` is then the mean sample's cost
+    at the start of the run, and training grows as rollouts lengthen. Off (the
+    default): every sample costs ``train_s_per_sample``.
+    """
 
     name: str = "workload"
     # the pool

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tasks.sched import presets
-from tasks.sched.bound import dp_min, upper_bound
+from tasks.sched.bound import dp_min, estimate, upper_bound
 from tasks.sched.simulator import simulate
 from tasks.sched.workload import Workload
 
@@ -22,15 +22,13 @@ def test_issue_figure_reference_size_lag_one():
     w = Workload(cells=1000, cap=4, batch=4000, steps=48, median_s=1800.0)
     d = 2 * math.sqrt(4000 * 60 * 2)
     assert dp_min(w) == pytest.approx(d, rel=1e-3)
-    b = upper_bound(w, 1)
+    b = estimate(w, 1)
     assert b.lag_window_per_hour == pytest.approx(2 * 4000 / (14400 + d) * 3600, rel=1e-3)
     assert b.lag_window_per_hour == pytest.approx(1824.4, abs=0.5)
     # 48 steps: S_1 >= 4 h, then pairs of steps every 14,400 + d, the last ends d later
     run = 14400 + 23 * (14400 + d) + d
     assert b.whole_run_per_hour == pytest.approx(48 * 4000 / run * 3600, rel=1e-3)
-    assert upper_bound(w, 0).lag_window_per_hour == pytest.approx(
-        4000 / (14400 + d) * 3600, rel=1e-3
-    )
+    assert estimate(w, 0).lag_window_per_hour == pytest.approx(4000 / (14400 + d) * 3600, rel=1e-3)
 
 
 def test_capacity_limits_when_the_lag_window_does_not():
@@ -82,9 +80,9 @@ def test_no_mode_passes_the_bound_on_deterministic_durations(lag):
 
 def test_bound_grows_with_the_lag_and_never_beats_capacity():
     w = Workload(cells=64, batch=256, steps=24)
-    rates = [upper_bound(w, L).whole_run_per_hour for L in range(6)]
+    rates = [estimate(w, L).whole_run_per_hour for L in range(6)]
     assert all(a < b for a, b in itertools.pairwise(rates[:4]))  # the lag window binds
-    cap = upper_bound(w, 0).capacity_per_hour
+    cap = estimate(w, 0).capacity_per_hour
     assert rates[4] == rates[5] <= cap  # from lag 4 on, capacity does
-    big = upper_bound(dataclasses.replace(w, steps=200), 50)
+    big = estimate(dataclasses.replace(w, steps=200), 50)
     assert big.steady_per_hour <= cap * 1.001

@@ -8,9 +8,10 @@ simulation (dask's adaptive core and worker state machine work the same way):
   a finished group is processed, its samples go to the buffer, then ``RolloutFinished``.
 - ``Move(cell, "train")``: the cell's Dask resources go to none (no new rollout work), the
   gateway withdraws its engine at the next call boundary of each session (in-flight calls
-  finish; each group's next calls go to the cell the ``Move``'s ``reroute`` names for it, as
-  the coordinator booked it, with their KV moved, or re-prefilled, counted), the engine is parked (KV freed), the cell takes the ``train`` resource and
-  joins the next step's data-parallel group; then ``MoveDone``.
+  finish; each group's next calls go to the cell the ``Move``'s ``reroute`` names for it,
+  as the coordinator booked it, with their KV moved, or re-prefilled, counted), the engine
+  is parked (KV freed), the cell takes the ``train`` resource and joins the next step's
+  data-parallel group; then ``MoveDone``.
 - ``Move(cell, "rollout")`` (between optimizer steps): the cell leaves the DP group, its
   engine (parked, or started) loads the newest weights *before* the gateway routes to it,
   then it takes the ``rollout`` resource; then ``MoveDone``.

@@ -249,6 +249,9 @@ class Elastic:
     window_from_run: bool = True
     name: str = "elastic"
 
+    def _trips_counted(self, s: SchedState) -> bool:
+        return self.trip_in_sizing and self._trip(s) >= TRIP_SHARE * self.timeout_s
+
     def _trip(self, s: SchedState) -> float:
         """Seconds of a cell's round trip rollout -> train -> rollout: measured when the
         run has made both moves, else the marks' dead band (config)."""
@@ -307,7 +310,8 @@ class Elastic:
             if m_now and self._members(s, m_now, m_soon, m_best) == m_now:
                 recruits, leaving, reserved = [], set(), {}  # not worth the wait
                 order = "oldest" if self.streaming else "index"
-                if m_now == m_best:  # cells already in training cost no trip: use them
+                if m_now == m_best and self._trips_counted(s):
+                    # cells already in training cost no further trip: use them
                     t, sync = step_costs(self, s)
                     m_now = min(len(idle_train), max(m_best, best_members(b, t, sync, n)))
                 out.append(StartStep(tuple(c.id for c in idle_train[:m_now]), b, order=order))
@@ -364,9 +368,7 @@ class Elastic:
         # where a round trip is at least TRIP_SHARE of the rollout cap (a lent
         # cell's late rollouts then show at the lag gate: costly switches);
         # below that, staffing for the fastest step paid more in every row we ran
-        trip = self._trip(s) if self.trip_in_sizing else 0.0
-        if trip < TRIP_SHARE * self.timeout_s:
-            trip = 0.0
+        trip = self._trip(s) if self._trips_counted(s) else 0.0
         gross = best_members(b, t, sync, n - self.core)
 
         # the lag window: the cap, or the longest recent rollout where they end sooner

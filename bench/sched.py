@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = os.path.join(HERE, "workloads")
 ROW_ORDER = (
     "reference",
+    "growth",
     "stationary",
     "bursty",
     "tail_heavy",
@@ -69,14 +70,16 @@ class Runner:
         self._cache: dict[tuple, dict[str, float]] = {}
         self.runs = 0
 
-    def __call__(self, pol, w: Workload, seeds: list[int] | None = None) -> dict[str, float]:
+    def __call__(
+        self, pol, w: Workload, seeds: list[int] | None = None, calibrate: bool = True
+    ) -> dict[str, float]:
         seeds = self.seeds if seeds is None else seeds
-        key = (repr(pol), repr(w), tuple(seeds))
+        key = (repr(pol), repr(w), tuple(seeds), calibrate)
         if key not in self._cache:
-            runs = [simulate(pol, w, seed=s) for s in seeds]
+            runs = [simulate(pol, w, seed=s, calibrate=calibrate) for s in seeds]
             self.runs += len(runs)
             out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            for k in ("lag_max", "sessions_broken", "max_switches_one_cell"):
+            for k in ("lag_max", "sessions_broken", "max_switches_one_cell", "wasted_switches"):
                 out[k] = max(r[k] for r in runs)
             self._cache[key] = out
         return self._cache[key]
@@ -374,6 +377,58 @@ def ablations(run: Runner, w: Workload, lag: int, fracs, quick: bool) -> dict:
     }
 
 
+POLICY_ROWS = ("growth", "bursty", "costly-switches", "train-heavy", "reference")
+
+
+def policy_ablations(run: Runner, rows: dict[str, dict], ws: dict[str, Workload]) -> dict:
+    """Issue 17's policy parts, each off in turn, on the rows where demand moves.
+
+    ``no calibration``: the policy keeps its configured costs (the simulator's are
+    right, except where training follows rollout length); ``no trips in sizing``:
+    training staffed at the fastest step, its members' round trips not counted.
+    """
+    out: dict[str, dict] = {}
+    for name in POLICY_ROWS:
+        if name not in rows:
+            continue
+        r, w = rows[name], ws[name]
+        seeds = r["seeds"]
+        best = r["modes"]["async_best"]["samples_per_hour"]
+        variants = {
+            "elastic": r["modes"]["elastic"],
+            "no calibration": run(presets.elastic(w, 1), w, seeds, calibrate=False),
+            "no trips in sizing": run(presets.elastic(w, 1, trip_in_sizing=False), w, seeds),
+            "neither": run(presets.elastic(w, 1, trip_in_sizing=False), w, seeds, calibrate=False),
+        }
+        out[name] = {
+            k: {
+                "samples_per_hour": v["samples_per_hour"],
+                "over_async_best": v["samples_per_hour"] / best,
+                "over_bound": v["samples_per_hour"] / r["upper_bound"],
+                "over_estimate": v["samples_per_hour"] / r["bound_estimate"],
+                "wasted_switches": v["wasted_switches"],
+            }
+            for k, v in variants.items()
+        }
+    head = ["row", "variant", "samples/h", "el/async best", "el/bound", "el/estimate", "wasted sw"]
+    table = [
+        [
+            name,
+            k,
+            f"{v['samples_per_hour']:.1f}",
+            f"{v['over_async_best']:.3f}",
+            f"{v['over_bound']:.3f}",
+            f"{v['over_estimate']:.3f}",
+            f"{v['wasted_switches']:.0f}",
+        ]
+        for name, vs in out.items()
+        for k, v in vs.items()
+    ]
+    print("\n== policy ablations (issue 17), lag <= 1")
+    print(_table(head, table))
+    return out
+
+
 def seed_spread(run: Runner, w: Workload, headline: dict, seeds=(1, 2)) -> dict:
     """The headline ratios on other seeds (the headline itself is one seed at 1,000 cells)."""
     k_adv, k_best = headline["async_split_advance"], headline["async_split_best"]
@@ -437,7 +492,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--cells", type=int, default=None, help="resize every row of the reference's size"
     )
-    ap.add_argument("--sections", default="headline,size,workload,curve,ablation")
+    ap.add_argument("--sections", default="headline,size,workload,policy,curve,ablation")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     t0 = time.perf_counter()
@@ -456,7 +511,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.quick and not args.workload:
         rows = {
-            n: rows[n] for n in ("reference", "stationary", "train-heavy", "small") if n in rows
+            n: rows[n]
+            for n in ("reference", "growth", "stationary", "train-heavy", "small")
+            if n in rows
         }
     rows = {n: sized(w) for n, w in rows.items()}
     ref = next(iter(rows.values()))
@@ -520,6 +577,15 @@ def main(argv: list[str] | None = None) -> dict:
             r["elastic_over_async_best"] for r in by_workload.values()
         )
         out["worst_row"] = min(by_workload, key=lambda n: by_workload[n]["elastic_over_async_best"])
+        out["worst_elastic_over_colocate"] = min(
+            r["elastic_over_colocate"] for r in by_workload.values()
+        )
+        if "growth" in by_workload:
+            g = by_workload["growth"]
+            out["growth_elastic_over_bound"] = g["elastic_over_bound"]  # the proven bound
+            out["growth_elastic_over_estimate"] = g["elastic_over_estimate"]
+        if "policy" in sections:
+            out["policy_ablations"] = policy_ablations(run, by_workload, rows)
     if "curve" in sections:
         lags = [1, 2] if args.quick else [0, 1, 2, 3, 4]
         out["lag_curve"] = lag_curve(run, ref, lags, fracs, args.quick)
@@ -529,7 +595,9 @@ def main(argv: list[str] | None = None) -> dict:
     out["wall_s"] = time.perf_counter() - t0
     out["simulations"] = run.runs
     print(
-        "\n== figures (targets: el/bound >= 0.95, el/colocate >= 1.8, el/async >= 1.3, worst el/async best >= 1.0)"
+        "\n== figures (targets: el/bound >= 0.95, el/colocate >= 1.8, el/async >= 1.3, "
+        "worst el/async best >= 1.0, growth el/bound >= 0.90: the proven bound; "
+        "growth el/estimate beside it)"
     )
     for k, v in out.items():
         if isinstance(v, float | int) and not isinstance(v, bool):

@@ -38,7 +38,7 @@ from tasks.env.heldout import train_task_seed
 from tasks.handles import GroupSpec
 from tasks.process import process_group
 from tasks.rollout import FailedSessions, RolloutsFailed, admin_token_variable, rollout_group
-from tasks.sched.config import build_policy, group_shape
+from tasks.sched.config import build_policy, coordinator_args, group_shape, paced_workload
 from tasks.sched.coordinator import (
     Coordinator,
     Decision,
@@ -49,6 +49,8 @@ from tasks.sched.coordinator import (
     StartStep,
     Tick,
 )
+from tasks.sched.waterlevel import dp_step_seconds
+from tasks.sched.workload import Durations
 from tasks.train.dp import StepPlan
 from tasks.train_step import train_member
 
@@ -98,6 +100,17 @@ class PrefectWork:
         self.total = first_group + cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
         self.failures = FailedSessions(cfg.rollout)  # a broken agent stops the run
+        sc = cfg.scheduler
+        # paced by a workload file: group i lasts the file's rollout i, steps its step model
+        self.workload = paced_workload(
+            sc.pacing,
+            cells=cfg.cluster.rollout_cells + cfg.cluster.train_cells,
+            cap=sc.groups_per_cell,
+            batch=cfg.rollout.groups_per_step,
+            steps=cfg.train.steps,
+            tick_s=sc.tick_s,
+        )
+        self.durations = Durations(self.workload, sc.seed) if self.workload else None
 
     def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
@@ -114,7 +127,30 @@ class PrefectWork:
             env_step_s=env_s,
             env_step_sigma=env_sigma,
             cell_id=cell_id,
+            **self._paced(index - self.first_group),
         )
+
+    def _paced(self, index: int) -> dict[str, float]:
+        """A paced group's slot time and call interval (the simulator's rollout ``index``)."""
+        if self.durations is None:
+            return {}
+        return {
+            "duration_s": self.durations[index],
+            "call_s": self.workload.call_s,
+            "t_start": time.time(),
+        }
+
+    def step_pace_s(self, plan: StepPlan) -> float:
+        """Device time of a paced step: the simulator's step model on the same rollouts."""
+        if self.workload is None:
+            return 0.0
+        w, b = self.workload, len(plan.groups)
+        work = sum(w.train_cost(self.durations[i]) for i in plan.groups)  # as the simulator
+        return dp_step_seconds(b, len(plan.members), work / max(1, b), w.dp_sync_s)
+
+    def group_id(self, index: int) -> str:
+        """The gateway's group id of the executor's group ``index``."""
+        return f"g{index + self.first_group}"
 
     def rollout(self, index: int, cell_id: str) -> _Job:
         self.since[index] = time.time_ns() - CLOCK_SKEW_NS
@@ -218,7 +254,7 @@ def schedule(
         max_lag=cfg.train.max_staleness,
         timeout_s=r.timeout_s,
     )
-    coord = Coordinator(policy, n_cells, sc.groups_per_cell)
+    coord = Coordinator(policy, n_cells, sc.groups_per_cell, **coordinator_args(sc.pacing))
     stop_event = f"gyre-stop-{run_id}"
     work = PrefectWork(run_id, cfg, store, gateway, stop_event, first_group)
     engine = EngineSpec(
@@ -246,6 +282,9 @@ def schedule(
         dp_host=cfg.cluster.advertise_host,  # the DP rendezvous: where the cells meet
         # a rollout ends by its own timeout; processing and the margins on top
         job_timeout_s=r.timeout_s + sc.drain_timeout_s + 600,
+        # paced by a workload file: role changes and weight loads cost what the simulator says
+        switch_s=work.workload.switch_s if work.workload else 0.0,
+        weight_load_s=work.workload.weight_load_s if work.workload else 0.0,
     )
     held = HeldOut(run_id, cfg, store, gateway, start_version, first_step, steps)
     roles = coord.state().cells
@@ -266,7 +305,7 @@ def schedule(
     token.set(gateway.admin_token)
     bar = tqdm(total=steps, desc=f"gyre {run_id} {sc.mode}", unit="step", file=sys.stderr)
     progress = Progress(run_id, first_step, steps)
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()
     decisions = 0
     interrupted = False
 
@@ -332,6 +371,9 @@ def schedule(
     return {
         "weight_version": ex.version,
         "seconds": seconds,
+        "t0_wall": t0_wall,  # the first decision (time.time()); steps' t_end are on this clock
+        "group_times": [(g.index, g.t_start, g.t_rollout, g.t_done) for g in ex.groups.values()],
+        "timeline": list(ex.timeline),  # role changes and steps per cell (bench/modes.py)
         "stats": ex.stats,
         "decisions": decisions,
         "report": report,

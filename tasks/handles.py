@@ -22,6 +22,11 @@ class GroupSpec:
     env_step_s: float = 0.0  # median seconds of one environment step (0 = instant)
     env_step_sigma: float = 0.0  # log-normal spread: the tail of slow steps
     cell_id: str | None = None  # the rollout cell the scheduler placed the group on
+    # paced by a workload file (scheduler.pacing.workload): every session of the group holds
+    # its slot ``duration_s`` seconds, with a model call every ``call_s`` (0 = not paced)
+    duration_s: float = 0.0
+    call_s: float = 0.0
+    t_start: float = 0.0  # wall clock of the decision that started it (the slot is held since)
 
 
 @dataclass(frozen=True)

@@ -84,18 +84,41 @@ def harness_settings(cfg: RolloutConfig, seed: int) -> HarnessSettings:
 class SlowEnv:
     """An environment whose every step (a graded answer, a tool call) takes time: a
     log-normal draw around ``median_s``, long-tailed by ``sigma`` (pacing of the world the
-    agent acts in). Checks ``stopped()`` first, so a finished run ends its sessions."""
+    agent acts in). Checks ``stopped()`` first, so a finished run ends its sessions.
 
-    def __init__(self, env: Any, median_s: float, sigma: float, seed: int, stopped=None):
+
+    A paced session (``until``: a list of deadlines, wall clock): its ``k``-th step ends at
+    ``until[k]`` (or at once past the last), however long the model call before it took:
+    the session holds its slot for a given duration with a call at every interval.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        median_s: float,
+        sigma: float,
+        seed: int,
+        stopped=None,
+        until: list[float] | None = None,
+    ):
         self._env = env
         self._median, self._sigma = median_s, sigma
         self._rng = random.Random(seed)
         self._stopped = stopped or (lambda: False)
+        self._until = list(until or [])
+        self._k = 0
 
     def _step(self) -> None:
         if self._stopped():
             raise Stopped("the run ended")
-        if self._median > 0:
+        if self._until:
+            t = self._until[min(self._k, len(self._until) - 1)]
+            self._k += 1
+            while (left := t - time.time()) > 0:
+                if self._stopped():
+                    raise Stopped("the run ended")
+                time.sleep(min(left, 1.0))
+        elif self._median > 0:
             time.sleep(self._median * math.exp(self._sigma * self._rng.gauss(0.0, 1.0)))
 
     def submit(self, *args, **kwargs):
@@ -108,6 +131,12 @@ class SlowEnv:
 
     def __getattr__(self, name: str):
         return getattr(self._env, name)
+
+
+def paced_calls(duration_s: float, call_s: float) -> int:
+    """Model calls of a paced session: one at the start of every ``call_s`` of its
+    ``duration_s`` (a call's end is a boundary where the session may move)."""
+    return max(1, math.ceil(duration_s / call_s - 1e-9)) if call_s > 0 else 1
 
 
 async def run_session(harness, ctx: HarnessContext, timeout_s: float) -> Outcome:
@@ -159,7 +188,13 @@ def roll_out_group(
     stop_event: str | None = None,
 ) -> list[SessionHandle]:
     """The body of ``rollout_group`` (callable without Prefect)."""
-    options = {**cfg.suite_options(), "subtasks": spec.subtasks or cfg.subtasks}
+    until: list[float] | None = None
+    n_sub = spec.subtasks or cfg.subtasks
+    if spec.duration_s > 0:  # paced: a call every call_s from the group's start, for duration_s
+        n_sub = paced_calls(spec.duration_s, spec.call_s)
+        t0 = spec.t_start or time.time()
+        until = [t0 + min(spec.duration_s, (k + 1) * spec.call_s) for k in range(n_sub)]
+    options = {**cfg.suite_options(), "subtasks": n_sub}
     suite = load_suite(cfg.suite, **options)
     harness = make_harness(cfg.harness)
     task_ = suite.task(spec.task_seed)
@@ -192,7 +227,7 @@ def roll_out_group(
 
         def one(i: int) -> None:
             seed = cfg.seed * 100_003 + spec.task_seed * 101 + i
-            env = SlowEnv(envs[i], spec.env_step_s, spec.env_step_sigma, seed, stop.is_set)
+            env = SlowEnv(envs[i], spec.env_step_s, spec.env_step_sigma, seed, stop.is_set, until)
             ctx = HarnessContext(gateway_url, keys[i], env, harness_settings(cfg, seed))
             outcomes[i] = asyncio.run(run_session(harness, ctx, cfg.timeout_s))
 

@@ -261,6 +261,7 @@ def member_step(
     ``s_per_token``: paced device time per forwarded token of this member's shard.
     """
     t0 = time.time()
+    t_mono = time.monotonic()
     rv = plan.rendezvous(rank)
     if holder.dp is None or holder.dp.rv != rv:
         if holder.dp is not None:
@@ -302,11 +303,16 @@ def member_step(
     mine = [train_on[i] for i in parts[rank]]
     normalizer = float(sum(s.n_flat_trainable for s in train_on)) or 1.0
     t_compute = time.monotonic()
+    # paced: the step's device time (plan.pace_s, from the member's start: the simulator's
+    # step), else per token of this member's shard
+    started, device_s = (t_mono, plan.pace_s) if plan.pace_s > 0 else (t_compute, 0.0)
+    if not plan.pace_s:
+        device_s = s_per_token * sum(s.n_tokens for s in mine)
     metrics = trainer.step(
         mine,
         current_version=plan.version,
         normalizer=normalizer,
-        reduce_grads=_paced(group, t_compute, s_per_token * sum(s.n_tokens for s in mine)),
+        reduce_grads=_paced(group, started, device_s),
     )
     metrics = group.reduce_metrics(metrics)
     rewards = [s.reward for s in samples]

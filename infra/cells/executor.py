@@ -8,9 +8,10 @@ simulation (dask's adaptive core and worker state machine work the same way):
   a finished group is processed, its samples go to the buffer, then ``RolloutFinished``.
 - ``Move(cell, "train")``: the cell's Dask resources go to none (no new rollout work), the
   gateway withdraws its engine at the next call boundary of each session (in-flight calls
-  finish; the sessions' next calls go to other cells with their KV moved, or re-prefilled,
-  counted), the engine is parked (KV freed), the cell takes the ``train`` resource and
-  joins the next step's data-parallel group; then ``MoveDone``.
+  finish; each group's next calls go to the cell the ``Move``'s ``reroute`` names for it,
+  as the coordinator booked it, with their KV moved, or re-prefilled, counted), the engine
+  is parked (KV freed), the cell takes the ``train`` resource and joins the next step's
+  data-parallel group; then ``MoveDone``.
 - ``Move(cell, "rollout")`` (between optimizer steps): the cell leaves the DP group, its
   engine (parked, or started) loads the newest weights *before* the gateway routes to it,
   then it takes the ``rollout`` resource; then ``MoveDone``.
@@ -43,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from infra.cells.cluster import Cells
@@ -114,6 +115,7 @@ class Group:
     sessions: Any = None
     processed: Any = None  # ProcessedStep-like: samples_segment, sample_ids, n_samples
     t_done: float = 0.0
+    t_rollout: float = 0.0  # wall clock: its rollout task ended (processing starts)
     deadline: float = math.inf  # monotonic: its rollout or processing must be done by then
 
 
@@ -133,6 +135,9 @@ class Stats:
     groups_done: int = 0
     switch_latency_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    step_pace_s: list[float] = field(default_factory=list)  # paced device time (0: none)
+    switch_to: list[str] = field(default_factory=list)  # the role of each switch_latency_s
+    load_s: list[float] = field(default_factory=list)  # decided weight loads, seconds
     cells_lost: int = 0
     cells_healed: int = 0
     step_retries: int = 0
@@ -161,12 +166,17 @@ class Executor(Healing):
         job_timeout_s: float = 3600.0,
         max_step_retries: int = 2,
         watch_s: float = 1.0,
+        switch_s: float = 0.0,
+        weight_load_s: float = 0.0,
     ):
         """``heal_timeout_s``: how long a lost cell may wait for a worker to take its place
         before the run stops; ``job_timeout_s``: bound on one rollout or processing task
         (from its start, or from the loss of a cell, whose tasks Dask reruns);
         ``max_step_retries``: retries of one step after losing members; ``watch_s``: how
-        often the cluster's workers are looked at."""
+        often the cluster's workers are looked at. ``switch_s``, ``weight_load_s``: paced
+        device time of a role change and of a weight load (the simulator's costs): a decided
+        load takes at least ``weight_load_s``, a move to train at least ``switch_s`` after its
+        drain, a move to rollout at least ``switch_s + weight_load_s``."""
         self.cells = cells
         self.gateway = gateway
         self.store = store
@@ -187,6 +197,9 @@ class Executor(Healing):
         self.job_timeout_s = job_timeout_s
         self.max_step_retries = max_step_retries
         self.watch_s = watch_s
+        self.switch_s, self.weight_load_s = switch_s, weight_load_s
+        self._reroute: dict[int, dict[str, str]] = {}  # cell -> group id -> target cell id
+        self._load_t: dict[int, float] = {}  # cell -> when its LoadWeights was applied
         self.membership = Membership(self.addrs, heal_timeout_s)  # shares self.addrs
         self.lost_addr: dict[int, str] = {}
         self._cell_locks = [threading.RLock() for _ in self.addrs]
@@ -303,6 +316,7 @@ class Executor(Healing):
         elif isinstance(d, LoadWeights):
             v = self.run_version(d.version)
             self.record(d.cell, "decide", "rollout", reason, f"load v{v}")
+            self._load_t[d.cell] = time.time()
             self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v)
         elif isinstance(d, StartStep):
             self._start_step(d, reason)
@@ -346,6 +360,7 @@ class Executor(Healing):
         if kind == "rollout":
             g = self.groups[item[1]]
             g.sessions = g.job.result()  # a failed task raises here: the run stops with it
+            g.t_rollout = time.time()
             for h in g.sessions:  # no KV moves for sessions that are over
                 self.gateway.end_session(h.session_id)
             self.gateway.flush()  # every answered call is in the store before processing
@@ -365,11 +380,17 @@ class Executor(Healing):
         if kind == "moved":
             _, i, role, t_decided = item
             self.roles[i] = role
-            self.stats.switch_latency_s.append(time.time() - t_decided)
-            return [MoveDone(i)]
+            secs = time.time() - t_decided
+            self.stats.switch_latency_s.append(secs)
+            self.stats.switch_to.append(role)
+            return [MoveDone(i, seconds=secs)]  # measured: the policy's cost model learns it
         if kind == "loaded":
             _, i, v = item
-            return [WeightsLoaded(i, self.coord_version(v))]
+            t = self._load_t.pop(i, None)
+            secs = None if t is None else time.time() - t
+            if secs is not None:
+                self.stats.load_s.append(secs)
+            return [WeightsLoaded(i, self.coord_version(v), seconds=secs)]
         if kind == "member":
             if item[1] != self.step_token or self.step_retry is not None:
                 return []  # an aborted attempt's member
@@ -451,9 +472,14 @@ class Executor(Healing):
         t = time.time()
         self.stats.switches += 1
         # mirror the coordinator's books: the cell's groups now belong to the reroute targets
+        # and the gateway moves each group's sessions to that cell (not the least-loaded one)
         targets = [c for c, n in d.reroute for _ in range(n)]
+        gid = getattr(self.work, "group_id", lambda idx: f"g{idx}")
+        route = {}
         for idx, tgt in zip(self.in_flight(i), targets, strict=False):
             self.groups[idx].cell = tgt
+            route[gid(idx)] = self.cell_id(tgt)
+        self._reroute[i] = route
         transit = "draining" if d.to == "train" else "loading"
         self.roles[i] = transit
         self.record(i, "decide", transit, reason, f"to {d.to}")
@@ -469,7 +495,11 @@ class Executor(Healing):
         out: dict[str, Any] = {}
         if i in self.routed:
             # the boundary: in-flight calls finish (bounded), then each session moves with its KV
-            out = self.gateway.remove_engine(self.cell_id(i), drain_timeout=self.drain_timeout_s)
+            out = self.gateway.remove_engine(
+                self.cell_id(i),
+                drain_timeout=self.drain_timeout_s,
+                targets=self._reroute.pop(i, {}),
+            )
             self.routed.discard(i)
             self.stats.sessions_rerouted += int(out.get("sessions_moved", 0))
             self.stats.kv_moved += int(out.get("kv_moves", 0))
@@ -477,8 +507,10 @@ class Executor(Healing):
             self.stats.reprefills += int(out.get("reprefills", 0))
             self.stats.aborted_inflight += int(out.get("aborted_inflight", 0))
         log.info("cell %s withdrawn: %s", self.cell_id(i), out)
+        t_drained = time.monotonic()
         if i in self.engine_url:
             self.cells.run_on(addr, park_engine)
+        _pace(t_drained, self.switch_s)
         self.cells.set_role(addr, "train")
         detail = ", ".join(f"{k}={v}" for k, v in out.items() if k != "cell_id")
         self.record(i, "role", "train", reason, detail)
@@ -486,16 +518,18 @@ class Executor(Healing):
 
     def _to_rollout(self, i: int, t_decided: float, reason: str) -> None:
         addr = self.addrs[i]
+        t0 = time.monotonic()
         self.cells.set_role(addr, "loading")
         self.cells.run_on(addr, _leave_dp)
         self.dp_left = True
-        self._serve(i)
+        self._serve(i, pace_until=t0 + self.switch_s + self.weight_load_s)
         self.cells.set_role(addr, "rollout")
         self.record(i, "role", "rollout", reason, f"serving v{self.engine_version[i]}")
         self._q.put(("moved", i, "rollout", t_decided))
 
-    def _serve(self, i: int) -> None:
-        """Start (or unpark) the cell's engine with the newest weights, then route to it."""
+    def _serve(self, i: int, pace_until: float = 0.0) -> None:
+        """Start (or unpark) the cell's engine with the newest weights, then route to it
+        (not before ``pace_until``, monotonic: a paced role change)."""
         addr, e = self.addrs[i], self.engine
         if i not in self.engine_url:
             self.engine_url[i] = self.cells.run_on(
@@ -518,6 +552,7 @@ class Executor(Healing):
             if self.engine_version.get(i) == v:
                 break
             self._load(i, v, report=False)
+        _pace(pace_until, 0.0)
         self.gateway.add_engine(self.cell_id(i), self.engine_url[i])
         self.routed.add(i)
 
@@ -526,7 +561,10 @@ class Executor(Healing):
             # a healed cell already serves these weights (or newer): never go back
             self._q.put(("loaded", i, self.engine_version[i]))
             return
+        t0 = time.monotonic()
         res = self.cells.run_on(self.addrs[i], load_weights, self.store, self.run_id, version)
+        if report:
+            _pace(t0, self.weight_load_s)
         if not res.get("success", False):
             raise ExecutorError(f"cell {self.cell_id(i)} could not load v{version}: {res}")
         self.engine_version[i] = version
@@ -572,6 +610,9 @@ class Executor(Healing):
             shuffle_seed=self.rng.randrange(1 << 30),
             workers=tuple(self.addrs[i] for i in d.cells),
         )
+        pace = getattr(self.work, "step_pace_s", None)  # paced: the simulator's step time
+        if pace is not None:
+            plan = replace(plan, pace_s=pace(plan))
         for g in picked:
             del self.buffer[g.index]
             g.phase = "trained"
@@ -618,8 +659,9 @@ class Executor(Healing):
             self.record(i, "step_done", "train", "", f"step {plan.step} -> v{self.version}")
         self.stats.steps += 1
         self.stats.step_s.append(time.time() - self.step_t0)
+        self.stats.step_pace_s.append(plan.pace_s)
         self.last_step = results[0]
-        return [StepFinished(self.step_cells)]
+        return [StepFinished(self.step_cells, seconds=self.stats.step_s[-1])]
 
     def engine_counters(self) -> dict[str, dict[str, Any]]:
         """Each engine's counters (paced device time, decode steps), by cell id."""
@@ -630,6 +672,13 @@ class Executor(Healing):
             except Exception as exc:  # best effort, for the report
                 out[self.cell_id(i)] = {"error": str(exc)}
         return out
+
+
+def _pace(started: float, seconds: float) -> None:
+    """Sleep until ``seconds`` after ``started`` (monotonic): a paced device cost."""
+    left = started + seconds - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def _leave_dp(plugin: Any) -> None:

@@ -181,9 +181,14 @@ class GatewayCore:
         limits = [h.max_context for h in self.router.active() if h.max_context]
         return min(limits) if limits else None
 
-    async def withdraw(self, cell_id: str, drain_timeout: float) -> dict:
+    async def withdraw(
+        self, cell_id: str, drain_timeout: float, targets: dict[str, str] | None = None
+    ) -> dict:
         """Withdraw a cell: no new calls; in-flight calls finish (or, after ``drain_timeout``,
-        are aborted and continue elsewhere); its sessions move with their KV."""
+        are aborted and continue elsewhere); its sessions move with their KV.
+
+        ``targets``: group id -> the cell its sessions move to (the scheduler's reroute);
+        a group not named, or whose target is not active, goes to the least-loaded cell."""
         h = self.router.engines.get(cell_id)
         if h is None:
             raise KeyError(f"no engine {cell_id!r}")
@@ -215,7 +220,7 @@ class GatewayCore:
         for sid in list(h.sessions):
             s = self.sessions.get(sid)
             if s is not None and s.cell_id == cell_id and self.router.active():
-                await self._relocate(s, h)
+                await self._relocate(s, h, (targets or {}).get(s.group_id))
                 moved += 1
         if self.router.engines.get(cell_id) is h:  # not re-added meanwhile
             del self.router.engines[cell_id]
@@ -231,11 +236,13 @@ class GatewayCore:
             "reprefills": self.router.reprefills - moves_before[2],
         }
 
-    async def _relocate(self, s: Session, old: EngineHandle) -> None:
+    async def _relocate(self, s: Session, old: EngineHandle, target: str | None = None) -> None:
         async with s.lock:
             if s.cell_id != old.cell_id:
                 return
-            new = self.router.pick_new(exclude={old.cell_id})
+            new = self.router.engines.get(target) if target else None
+            if new is None or new.state != "active" or new is old:
+                new = self.router.pick_new(exclude={old.cell_id})
             if s.last_request_id is not None and old.state != "dead":
                 with s.state_lock:
                     ctx = s.calls.context(s.last_request_id).tolist()

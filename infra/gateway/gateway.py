@@ -87,13 +87,19 @@ class Gateway(GatewayCore):
             return
         self._server.call(self.add_engine_async(cell_id, base_url), timeout=60)
 
-    def remove_engine(self, cell_id: str, *, drain_timeout: float = 60.0) -> dict:
+    def remove_engine(
+        self, cell_id: str, *, drain_timeout: float = 60.0, targets: dict[str, str] | None = None
+    ) -> dict:
         """Withdraw a cell: it takes no new calls; in-flight calls finish (or, after
         ``drain_timeout``, are aborted and continue elsewhere from their partial output); its
-        sessions move to other cells with their KV when both engines support it."""
+        sessions move to other cells with their KV when both engines support it: a group's
+        to the cell ``targets`` names for its group id (the scheduler's reroute), others to
+        the least-loaded one."""
         if self._server is None:
             raise RuntimeError("the gateway is not running; call start() first")
-        return self._server.call(self.withdraw(cell_id, drain_timeout), timeout=drain_timeout + 600)
+        return self._server.call(
+            self.withdraw(cell_id, drain_timeout, targets), timeout=drain_timeout + 600
+        )
 
     def drop_engine(self, cell_id: str) -> None:
         """The engine's cell is gone: route nothing more to it (its sessions' next calls

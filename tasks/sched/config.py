@@ -65,6 +65,19 @@ class PacingConfig(BaseModel):
     length_growth: float = Field(
         1.0, gt=0, le=16, description="rollout length at the run's end / at its start"
     )
+    workload: str = Field(
+        "",
+        description="a workload file (tasks/sched/workload.py): when set, group i holds its "
+        "slot for the file's drawn duration of rollout i, steps, weight loads and role "
+        "changes take the file's times, all scaled by time_scale (see paced_workload)",
+    )
+    time_scale: float = Field(
+        1.0 / 60.0,
+        gt=0,
+        le=1,
+        description="live seconds per workload second (1/60: a minute"
+        " of the workload is a second live)",
+    )
 
 
 class SchedulerConfig(BaseModel):
@@ -170,6 +183,46 @@ def build_policy(
         min_dwell_s=cfg.min_dwell_s,
         **cost,
     )
+
+
+def paced_workload(
+    pacing: PacingConfig, *, cells: int, cap: int, batch: int, steps: int, tick_s: float
+):
+    """The workload a paced live run plays, in live seconds; None when not paced by a file.
+
+    The file's sizes give way to the run's (``cells``; ``cap`` = groups per rollout cell;
+    ``batch`` = groups per step; ``steps``): one live group is one simulated rollout. Every
+    time (fields ending in ``_s``, costs ``*_s_per_*``, ``max_hours``) is multiplied by
+    ``time_scale``, and the tick is the run's ``tick_s``; so ``simulate`` on this workload
+    predicts the live run in live seconds, rollout ``i`` lasting ``Durations(w, seed)[i]``
+    on both sides.
+    """
+    if not pacing.workload:
+        return None
+    import dataclasses
+
+    from tasks.sched.workload import load_workload
+
+    w = load_workload(pacing.workload)
+    k = pacing.time_scale
+    scaled = {
+        f.name: getattr(w, f.name) * k
+        for f in dataclasses.fields(w)
+        if f.name.endswith("_s") or "_s_per_" in f.name or f.name == "max_hours"
+    }
+    scaled["tick_s"] = tick_s
+    return dataclasses.replace(w, cells=cells, cap=cap, batch=batch, steps=steps, **scaled)
+
+
+def coordinator_args(pacing: PacingConfig) -> dict[str, float]:
+    """The Coordinator's own time constants for a run paced by a workload file, scaled as
+    the file is (its finish-rate smoothing), so the live coordinator and the simulated one
+    on the paced workload see the file's run at the same speed; ``{}`` when not paced."""
+    if not pacing.workload:
+        return {}
+    from tasks.sched.coordinator import Coordinator
+
+    return {"rate_tau_s": Coordinator.rate_tau_s * pacing.time_scale}
 
 
 def group_shape(

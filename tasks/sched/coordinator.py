@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
+from tasks.sched.costs import CostEstimator, Costs
+
 Role = Literal["rollout", "train", "draining", "loading"]
 
 
@@ -83,7 +85,12 @@ class SchedState:
     :class:`VersionCount`). ``published_at``: when ``version`` was published
     (the end of the last step; 0 for version 0). ``mean_duration``: how long
     a rollout holds its slot, start to finish, averaged over about the last
-    ``Coordinator.duration_window`` finished rollouts (0 before any).
+    ``Coordinator.duration_window`` finished rollouts (0 before any);
+    ``longest_duration``: the longest of the last ``duration_window``
+    (0 before any) -- how long a lag gate waits, where rollouts end before the cap.
+    ``costs``: the cost model calibrated from this run's steps, role changes
+    and weight loads (``tasks/sched/costs.py``; ``None`` when the coordinator
+    has no estimator): policies size training and set their marks from it.
     """
 
     now: float
@@ -100,6 +107,8 @@ class SchedState:
     versions: tuple[VersionCount, ...] = ()
     published_at: float = 0.0
     mean_duration: float = 0.0
+    costs: Costs | None = None
+    longest_duration: float = 0.0
 
     def count(self, role: Role) -> int:
         return sum(1 for c in self.cells if c.role == role)
@@ -186,22 +195,40 @@ class RolloutFinished:
     version: int | None = None
 
 
+# ``seconds`` on the events below: how long the executor took to carry the decision out,
+# from when it received it to this event (for the cost model, tasks/sched/costs.py). An
+# executor that leaves it ``None`` is timed on the coordinator's clock instead (decision
+# tick to the last tick before the event). Not part of an event's equality.
+
+
 @dataclass(frozen=True, slots=True)
 class MoveDone:
-    """``cell`` finished its role change (drain/load) and now has its new role."""
+    """``cell`` finished its role change (drain/load) and now has its new role.
+
+    ``seconds``: from the ``Move`` to now (a drain: the sessions' call boundaries,
+    the switch; to rollout: the switch and the weight load).
+    """
 
     cell: int
+    seconds: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class WeightsLoaded:
+    """``cell`` holds weights ``version``; ``seconds``: from the ``LoadWeights`` to now."""
+
     cell: int
     version: int
+    seconds: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class StepFinished:
+    """The step over ``cells`` ended; ``seconds``: from the ``StartStep`` to now (wall
+    time of the step, DP group formation included)."""
+
     cells: tuple[int, ...]
+    seconds: float | None = field(default=None, compare=False)
 
 
 Event = Tick | RolloutFinished | MoveDone | WeightsLoaded | StepFinished
@@ -238,6 +265,11 @@ class Coordinator:
     state; a ``StartStep`` comes back with its ``rollouts`` filled in); other
     events only update the state and return ``[]``, so an executor may feed
     many events and then one tick.
+
+    ``costs``: the cost estimator (``tasks/sched/costs.py``) fed by step, move and
+    weight-load events; by default seeded from the policy's ``train_s_per_sample`` and
+    ``dp_sync_s`` (none when the policy has no such guesses). ``calibrate=False`` keeps
+    the guesses all run (the ablation).
     """
 
     policy: Policy
@@ -259,6 +291,9 @@ class Coordinator:
     duration_window: int = 0
     mean_duration: float = 0.0
     _n_done: int = 0
+    # the last duration_window durations, and a monotone deque of (index, duration)
+    # for their maximum
+    _long_q: deque[tuple[int, float]] = field(default_factory=deque)
     _cells: list[_Cell] = field(default_factory=list)
     _finished: set[int] = field(default_factory=set)
     finished_prefix: int = 0
@@ -278,10 +313,24 @@ class Coordinator:
     _n_fin: dict[int, int] = field(default_factory=dict)
     _finish_order: deque[int] = field(default_factory=deque)
     _next_index: int = 0
+    costs: CostEstimator | None = None
+    calibrate: bool = True
+    # what the cost model measures: the running step (start, samples, members), the
+    # last step's members, when each cell's move or weight load was decided
+    _step: tuple[float, int, tuple[int, ...]] | None = None
+    _last_members: tuple[int, ...] = ()
+    _load_since: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n_cells < 1 or self.cap < 1:
             raise ValueError(f"need n_cells >= 1 and cap >= 1, got {self.n_cells}, {self.cap}")
+        if self.costs is None:
+            t = getattr(self.policy, "train_s_per_sample", None)
+            sync = getattr(self.policy, "dp_sync_s", None)
+            if isinstance(t, int | float) and isinstance(sync, int | float) and t > 0:
+                self.costs = CostEstimator(float(t), float(sync))
+        if self.costs is not None and not self.calibrate:
+            self.costs.learn = False
         if self.duration_window <= 0:
             self.duration_window = 2 * self.n_cells * self.cap
         roles = self.policy.initial_roles(self.n_cells)
@@ -327,6 +376,8 @@ class Coordinator:
             versions=self._versions(),
             published_at=self.published_at,
             mean_duration=self.mean_duration,
+            longest_duration=self._long_q[0][1] if self._long_q else 0.0,
+            costs=self.costs.snapshot() if self.costs is not None else None,
         )
 
     def cell(self, i: int) -> CellView:
@@ -355,6 +406,12 @@ class Coordinator:
             self._n_done += 1
             k = min(self._n_done, self.duration_window)
             self.mean_duration += (self.now - start - self.mean_duration) / k
+            q, dur = self._long_q, self.now - start
+            while q and q[-1][1] <= dur:
+                q.pop()
+            q.append((self._n_done, dur))
+            while q[0][0] <= self._n_done - self.duration_window:
+                q.popleft()
             self._n_fly[base] -= 1
             if event.version is not None:
                 base = min(base, event.version)
@@ -370,6 +427,9 @@ class Coordinator:
             self._dirty.add(event.cell)
             c = self._cells[event.cell]
             assert c.target is not None, f"cell {event.cell} was not moving"
+            if self.costs is not None:
+                secs = self.now - c.since if event.seconds is None else event.seconds
+                (self.costs.drain if c.target == "train" else self.costs.to_rollout)(secs)
             c.role, c.target, c.busy = c.target, None, False
             # a cell joining rollout gets the newest weights first; a train cell
             # holds the newest weights by construction
@@ -379,7 +439,17 @@ class Coordinator:
             c = self._cells[event.cell]
             c.busy = False
             c.weight_version = max(c.weight_version, event.version)
+            since = self._load_since.pop(event.cell, None)
+            if self.costs is not None and (event.seconds is not None or since is not None):
+                self.costs.weight_load(self.now - since if event.seconds is None else event.seconds)
         elif isinstance(event, StepFinished):
+            if self.costs is not None and self._step is not None:
+                t0, samples, members = self._step
+                secs = self.now - t0 if event.seconds is None else event.seconds
+                regrouped = bool(self._last_members) and set(members) != set(self._last_members)
+                self.costs.step(samples, len(members), secs, regrouped)
+                self._last_members = members
+            self._step = None
             self.step_running = False
             self.version += 1
             self.published_at = self.now
@@ -428,6 +498,7 @@ class Coordinator:
             c = self._cells[d.cell]
             assert c.role == "rollout" and not c.busy
             c.busy = True
+            self._load_since[d.cell] = self.now
         elif isinstance(d, StartStep):
             assert not self.step_running, "one optimizer step at a time"
             assert d.samples <= self.water_level
@@ -437,6 +508,7 @@ class Coordinator:
                 assert c.role == "train" and not c.busy, f"cell {i} cannot join a step"
                 c.busy = True
             self.step_running = True
+            self._step = (self.now, d.samples, tuple(d.cells))
             self.water_level -= d.samples
             self.trained += d.samples
             d = replace(d, rollouts=self._take(d.samples, d.order))

@@ -42,6 +42,15 @@ from tasks.sched.lag import admissible, step_eta, step_ready
 from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_signal
 
 SLACK = 0.02  # see Elastic._target_members
+TRIP_SHARE = 0.05  # see Elastic._target_members
+
+
+def step_costs(policy, s: SchedState) -> tuple[float, float]:
+    """Seconds per sample on one member and DP cost per member: the run's calibrated
+    estimates (``SchedState.costs``) when there are any, else the policy's config."""
+    if s.costs is not None:
+        return s.costs.train_s_per_sample, s.costs.dp_sync_s
+    return policy.train_s_per_sample, policy.dp_sync_s
 
 
 def _fill(
@@ -112,7 +121,7 @@ class Colocate:
     def recommendations(self, s: SchedState) -> list[Decision]:
         if any(c.role in ("draining", "loading") for c in s.cells) or s.step_running:
             return []
-        members = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(s.cells))
+        members = best_members(self.batch, *step_costs(self, s), len(s.cells))
         batch_done = s.finished_prefix >= s.trained + self.batch and s.in_flight == 0
         if batch_done:
             train = [c for c in s.cells if c.role == "train"]
@@ -152,7 +161,7 @@ class Async:
         out: list[Decision] = []
         if not s.step_running and s.finished_prefix >= s.trained + self.batch:
             train = [c for c in s.cells if c.role == "train"]
-            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            m = best_members(self.batch, *step_costs(self, s), len(train))
             out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="index"))
         # rollout i belongs to batch i // batch and may start only with weights
         # >= that batch - max_lag: (version + max_lag + 1) * batch in all
@@ -186,7 +195,7 @@ class AsyncStream:
         out: list[Decision] = []
         if step_ready(s, self.batch, self.max_lag):
             train = [c for c in s.cells if c.role == "train"]
-            m = best_members(self.batch, self.train_s_per_sample, self.dp_sync_s, len(train))
+            m = best_members(self.batch, *step_costs(self, s), len(train))
             out.append(StartStep(tuple(c.id for c in train[:m]), self.batch, order="oldest"))
         allowed = admissible(s, self.batch, self.max_lag)
         if allowed == 0:
@@ -219,6 +228,11 @@ class Elastic:
     - core retention: cells ``0 .. core-1`` always roll out.
     - allocation in blocks of ``block`` cells (1 = per cell; larger is the
       "no per-cell allocation" ablation).
+    - sizing from the run's own costs: the step model and a member's round trip
+      come from ``SchedState.costs`` (calibrated, ``tasks/sched/costs.py``) and
+      training is staffed with the member count whose run is fastest net of
+      the round trips its members make (``trip_in_sizing=False``: the ablation
+      that counts no trips).
     """
 
     batch: int
@@ -231,7 +245,20 @@ class Elastic:
     min_dwell_s: float = 300.0
     block: int = 1
     streaming: bool = True
+    trip_in_sizing: bool = True
+    window_from_run: bool = True
     name: str = "elastic"
+
+    def _trips_counted(self, s: SchedState) -> bool:
+        return self.trip_in_sizing and self._trip(s) >= TRIP_SHARE * self.timeout_s
+
+    def _trip(self, s: SchedState) -> float:
+        """Seconds of a cell's round trip rollout -> train -> rollout: measured when the
+        run has made both moves, else the marks' dead band (config)."""
+        c = s.costs
+        if c is not None and c.drain_s is not None and c.to_rollout_s is not None:
+            return c.drain_s + c.to_rollout_s
+        return self.marks.high - self.marks.low
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
         if not 1 <= self.core < n_cells:
@@ -283,6 +310,10 @@ class Elastic:
             if m_now and self._members(s, m_now, m_soon, m_best) == m_now:
                 recruits, leaving, reserved = [], set(), {}  # not worth the wait
                 order = "oldest" if self.streaming else "index"
+                if m_now == m_best and self._trips_counted(s):
+                    # cells already in training cost no further trip: use them
+                    t, sync = step_costs(self, s)
+                    m_now = min(len(idle_train), max(m_best, best_members(b, t, sync, n)))
                 out.append(StartStep(tuple(c.id for c in idle_train[:m_now]), b, order=order))
                 stepping = True
                 idle_train = idle_train[m_now:]
@@ -321,22 +352,41 @@ class Elastic:
         Per step the run needs at least ``(timeout + d(m)) / (L + 1)`` (the lag
         window, ``tasks/sched/bound.py``), ``d(m)`` (steps run one at a time)
         and ``(batch * mean_duration / cap + batch * t + sync * m^2) / cells``
-        (capacity: the rollouts' slot time plus the step's cell time). The
-        first two fall with ``m`` up to the fastest step, the last rises: the
-        best ``m`` is where they cross. Without a duration yet, the fastest step.
+        (capacity: the rollouts' slot time plus the step's cell time). Each
+        member also makes a round trip (``trip`` s: drain, switch, weight load,
+        measured by the run's cost model) per ``L + 1`` steps: ``trip * m / (L + 1)``
+        cell-seconds per step, added to both (in the lag window as what it costs
+        the pool, ``/ cells``). The first two fall with ``m`` up to the fastest
+        step net of trips, the last rises: the best ``m`` is where they cross.
+        ``d`` and ``t`` come from the calibrated costs (``SchedState.costs``).
+        Without a duration yet, the fastest step net of trips.
         """
-        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
-        n = len(s.cells)
-        fastest = best_members(b, t, sync, n - self.core)
-        if s.mean_duration <= 0:
-            return fastest
+        b, (t, sync) = self.batch, step_costs(self, s)
+        n, per = len(s.cells), self.max_lag + 1
+        # a member makes one round trip per L + 1 steps (recruited for a run of
+        # steps, lent out after it): cell time the pool pays per step. Counted
+        # where a round trip is at least TRIP_SHARE of the rollout cap (a lent
+        # cell's late rollouts then show at the lag gate: costly switches);
+        # below that, staffing for the fastest step paid more in every row we ran
+        trip = self._trip(s) if self._trips_counted(s) else 0.0
+        gross = best_members(b, t, sync, n - self.core)
+
+        # the lag window: the cap, or the longest recent rollout where they end sooner
+        window = self.timeout_s
+        if self.window_from_run and s.longest_duration > 0:
+            window = min(window, s.longest_duration)
 
         def lag_time(m: int) -> float:
             d = dp_step_seconds(b, m, t, sync)
-            return max((self.timeout_s + d) / (self.max_lag + 1), d)
+            return max((window + d) / per, d) + trip * m / (per * n)
 
         def cap_time(m: int) -> float:
-            return (b * s.mean_duration / s.cap + b * t + sync * m * m) / n
+            return (b * s.mean_duration / s.cap + b * t + sync * m * m + trip * m / per) / n
+
+        # the fastest step, less what its members' round trips cost the pool
+        fastest = _argmin(lag_time, 1, gross)
+        if s.mean_duration <= 0:
+            return fastest
 
         if lag_time(fastest) >= cap_time(fastest):
             return fastest
@@ -371,7 +421,7 @@ class Elastic:
         empties about every ``cap`` rollout finishes. Picks the member count
         whose wait plus step time is least.
         """
-        b, t, sync = self.batch, self.train_s_per_sample, self.dp_sync_s
+        b, (t, sync) = self.batch, step_costs(self, s)
         per_cell = s.cap / s.finish_rate if s.finish_rate > 0 else math.inf
 
         def total(m: int) -> float:
@@ -460,6 +510,17 @@ class Elastic:
                 for tgt, k in r:
                     reserved[tgt] = reserved.get(tgt, 0) + k
         return out
+
+
+def _argmin(f, lo: int, hi: int) -> int:
+    """The smallest m in [lo, hi] minimising f (f convex on the integers)."""
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if f(a) <= f(b):
+            hi = b
+        else:
+            lo = a
+    return min(range(lo, hi + 1), key=lambda m: (f(m), m))
 
 
 def _first(pred, lo: int, hi: int) -> int:

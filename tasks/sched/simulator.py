@@ -20,6 +20,10 @@ Mechanics, as in the real system:
   after it they generate with the new version.
 - a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout) once
   the cell has drained.
+- a rollout's sample reaches the water level ``finish_delay_s`` after its last
+  token (its slot stays booked meanwhile), and every step costs
+  ``step_overhead_s`` on top: the executor's own costs, 0 unless a live bench
+  measured them (bench/modes.py).
 - an optimizer step on ``b`` samples over ``m`` cells takes
   ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP); with
   ``train_follows_length`` the ``b * train_s_per_sample`` is the sum of the
@@ -36,7 +40,8 @@ Metrics: whole-run rate (``steps * batch`` over the time to the last step's
 end) and steady rate (batch over the mean gap between step starts after the
 first quarter of the run), cell-time split into busy / idle / switching (a
 rollout cell is busy in proportion to its occupied slots), lag, role switches
-(per cell-day, and the most by one cell), sessions broken.
+(per cell-day, and the most by one cell; *wasted*: both moves of a cell
+recruited to training and sent back without joining a step), sessions broken.
 Deterministic for a seed. Pure module: no prefect, no distributed, no I/O.
 """
 
@@ -105,10 +110,11 @@ _RB, _RI, _TB, _TI, _SW = range(5)
 class Simulator:
     """One run of one policy on one seeded workload; call :meth:`run`."""
 
-    def __init__(self, policy: Policy, w: Workload, seed: int = 0) -> None:
+    def __init__(self, policy: Policy, w: Workload, seed: int = 0, calibrate: bool = True) -> None:
         self.w = w
         self.policy = policy
-        self.coord = Coordinator(policy, w.cells, w.cap)
+        # the policy's cost model learns from the times reported below, as live
+        self.coord = Coordinator(policy, w.cells, w.cap, calibrate=calibrate)
         self.dur = Durations(w, seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, str, tuple]] = []
@@ -123,6 +129,8 @@ class Simulator:
         self.phys = [0] * n  # sessions physically on the cell
         self.version_on = [0] * n  # weights loaded on the cell
         self.switches_of = [0] * n
+        self.move_at = [0.0] * n  # when the cell's last Move was carried out
+        self.stepped = [True] * n  # joined a step since it last moved to training
         self.acc = [0.0] * 5
         self.rate = [0.0] * 5
         for c in range(n):
@@ -144,6 +152,7 @@ class Simulator:
             "broken": 0,
             "migrations": 0,
             "weight_loads": 0,
+            "wasted_switches": 0,
         }
         self.step_starts: list[float] = []
         self.step_ends: list[float] = []
@@ -226,7 +235,7 @@ class Simulator:
         s = self.sess.get(idx)
         if s is None or s.epoch != epoch:
             return  # superseded by a pause or a migration
-        s.close(self.now)
+        s.close(min(self.now, s.end()))  # generation ended finish_delay_s ago
         del self.sess[idx]
         self.on_cell[s.phys].discard(idx)
         self.inbound[s.logical].discard(idx)
@@ -241,11 +250,13 @@ class Simulator:
         """Sessions on ``c`` stop generating until ``until``, then use ``version``."""
         for idx in self.on_cell[c]:
             s = self.sess[idx]
+            if s.progress(self.now) >= s.dur:
+                continue  # done generating, its sample on the way (finish_delay_s)
             s.close(self.now)
             s.run_from = max(s.run_from, until)
             s.ver = version
             s.epoch += 1
-            self._push(s.end(), "done", (idx, s.epoch))
+            self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
 
     def _execute(self, d: Decision) -> None:
         w = self.w
@@ -257,7 +268,7 @@ class Simulator:
                 s = _Sess(idx, d.cell, self.dur[idx], self.now, v)
                 self.sess[idx] = s
                 self.on_cell[d.cell].add(idx)
-                self._push(s.end(), "done", (idx, 0))
+                self._push(s.end() + w.finish_delay_s, "done", (idx, 0))
             self._change(d.cell, "phys", self.phys[d.cell] + d.n)
         elif isinstance(d, LoadWeights):
             self.stats["weight_loads"] += 1
@@ -265,21 +276,27 @@ class Simulator:
             self.load_until[d.cell] = self.now + w.weight_load_s
             self.load_to[d.cell] = d.version
             self._pause_all(d.cell, self.load_until[d.cell], d.version)
-            self._push(self.load_until[d.cell], "loaded", (d.cell, d.version))
+            self._push(self.load_until[d.cell], "loaded", (d.cell, d.version, w.weight_load_s))
         elif isinstance(d, StartStep):
             for c in d.cells:
                 self._change(c, "stepping", True)
+                self.stepped[c] = True
             self.step_starts.append(self.now)
             work = self._train(d.rollouts)
             per = w.train_s_per_sample
             if w.train_follows_length and d.samples:
                 per = work / d.samples  # the samples' mean cost
-            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s)
-            self._push(self.now + dt, "step_done", (d.cells, d.samples))
+            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s) + w.step_overhead_s
+            self._push(self.now + dt, "step_done", (d.cells, d.samples, dt))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
             src = d.cell
             self.switches_of[src] += 1
+            self.move_at[src] = self.now
+            if d.to == "train":
+                self.stepped[src] = False
+            elif not self.stepped[src]:  # recruited, never trained, sent back
+                self.stats["wasted_switches"] += 2
             self._change(src, "role", "draining" if d.to == "train" else "loading")
             if d.to == "rollout":
                 self._push(self.now + w.switch_s + w.weight_load_s, "move_done", (src,))
@@ -336,7 +353,7 @@ class Simulator:
         self.on_cell[tgt].add(idx)
         self._change(tgt, "phys", self.phys[tgt] + 1)
         self.stats["migrations"] += 1
-        self._push(s.end(), "done", (idx, s.epoch))
+        self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
 
     def _move_done(self, c: int) -> None:
         if self.on_cell[c]:  # a session still here when the cell changes role
@@ -344,22 +361,22 @@ class Simulator:
         target = self.coord.cell(c).target
         assert target is not None
         self._change(c, "role", target)
-        self.coord.handle(MoveDone(c))
+        self.coord.handle(MoveDone(c, seconds=self.now - self.move_at[c]))
         self.version_on[c] = self.coord.version
         self._tick_soon()
 
-    def _loaded(self, c: int, v: int) -> None:
+    def _loaded(self, c: int, v: int, secs: float) -> None:
         self._change(c, "loading", False)
         self.version_on[c] = max(self.version_on[c], v)
-        self.coord.handle(WeightsLoaded(c, v))
+        self.coord.handle(WeightsLoaded(c, v, seconds=secs))
 
-    def _step_done(self, cells: tuple[int, ...], samples: int) -> None:
+    def _step_done(self, cells: tuple[int, ...], samples: int, secs: float) -> None:
         for c in cells:
             self._change(c, "stepping", False)
         self.stats["steps"] += 1
         self.stats["trained"] += samples
         self.step_ends.append(self.now)
-        self.coord.handle(StepFinished(cells))
+        self.coord.handle(StepFinished(cells, seconds=secs))
         for c in cells:
             self.version_on[c] = self.coord.version
         self._tick_soon()
@@ -422,9 +439,16 @@ class Simulator:
             "sessions_broken": float(st["broken"]),
             "migrations": float(st["migrations"]),
             "weight_loads": float(st["weight_loads"]),
+            "wasted_switches": float(st["wasted_switches"]),
         }
 
 
-def simulate(policy: Policy, workload: Workload, seed: int = 0) -> dict[str, float]:
-    """Run ``policy`` on the seeded ``workload``; returns flat metrics."""
-    return Simulator(policy, workload, seed).run()
+def simulate(
+    policy: Policy, workload: Workload, seed: int = 0, calibrate: bool = True
+) -> dict[str, float]:
+    """Run ``policy`` on the seeded ``workload``; returns flat metrics.
+
+    ``calibrate=False``: the policy keeps its configured costs all run (no cost model
+    learnt from the run's events).
+    """
+    return Simulator(policy, workload, seed, calibrate).run()

@@ -87,6 +87,12 @@ class Workload:
     migrate_s: float = 5.0
     reprefill_s: float = 60.0
     kv_move: bool = True
+    # the executor's own costs, 0 in a pure simulation (bench/modes.py measures them live):
+    # from a rollout's last token to its sample in the buffer (harness exit, scoring,
+    # processing; its slot stays booked), and a fixed cost per optimizer step (task starts,
+    # DP rendezvous, checkpoint commit)
+    finish_delay_s: float = 0.0
+    step_overhead_s: float = 0.0
     # simulation
     tick_s: float = 15.0
     max_hours: float = 2000.0
@@ -210,7 +216,15 @@ def _problems(w: Workload) -> list[str]:
     need(w.burst_factor > 0, f"burst_factor={w.burst_factor}: need > 0")
     for k in ("call_s", "train_s_per_sample", "tick_s", "max_hours"):
         need(getattr(w, k) > 0, f"{k}={getattr(w, k)}: need > 0")
-    for k in ("dp_sync_s", "weight_load_s", "switch_s", "migrate_s", "reprefill_s"):
+    for k in (
+        "dp_sync_s",
+        "weight_load_s",
+        "switch_s",
+        "migrate_s",
+        "reprefill_s",
+        "finish_delay_s",
+        "step_overhead_s",
+    ):
         need(getattr(w, k) >= 0, f"{k}={getattr(w, k)}: need >= 0")
     return errs
 

@@ -84,6 +84,7 @@ class StepPlan:
     segments: tuple[str, ...]
     shuffle_seed: int = 0
     workers: tuple[str, ...] = ()
+    pace_s: float = 0.0  # paced device time of the step (0: as computed), from a member's start
 
     def rendezvous(self, rank: int) -> Rendezvous:
         return Rendezvous(self.host, self.port, self.generation, rank, len(self.members))

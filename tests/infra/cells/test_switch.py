@@ -170,3 +170,49 @@ def test_switches_with_live_sessions_lose_no_call(tmp_path):
         (ex.cell_id(2), "rollout"),
         (ex.cell_id(0), "train"),
     ]
+
+
+def test_a_withdrawn_cells_groups_go_where_the_move_reroutes_them(tmp_path):
+    """The coordinator books a withdrawn cell's groups on the cells its ``Move`` names; the
+    sessions' next calls must run there, not on the least-loaded cell (here an empty one)."""
+    store = Store(str(tmp_path / "store"))
+    run_id = "reroute"
+    model_dir = make_tiny_model()
+    publish_checkpoint(store, run_id, model_dir, 0)
+    with start_cells(3, threads_per_cell=2, rollout_slots=4, harness_slots=4) as cells:
+        gw = Gateway(
+            store,
+            run_id=run_id,
+            tokenizer_dir=model_dir,
+            admin_token=secrets.token_urlsafe(8),
+            spool_dir=str(tmp_path / "spool"),
+        )
+        gw.start()
+        work = ThreadWork(gw, store, run_id)
+        engine = EngineSpec(model_dir=model_dir, decode_step_s=0.03, prefill_tokens_per_s=20000)
+        ex = Executor(cells, gw, store, run_id, work, engine, version=0, drain_timeout_s=30)
+        try:
+            ex.start(("rollout", "rollout", "rollout"), "test: initial roles")
+            seen: list = []
+            for d in (StartRollouts(0, 1), StartRollouts(1, 1)):  # cell 2 stays empty
+                ex.apply(d, "test")
+            deadline = time.monotonic() + 120
+            while gw.stats()["gateway/calls"] < 4:
+                assert time.monotonic() < deadline, "no session made a call within 120s"
+                time.sleep(0.1)
+            t_move = time.time()
+            ex.apply(Move(1, "train", reroute=((0, 1),)), "test: cell 1's group to cell 0")
+            _wait(ex, seen, lambda e: isinstance(e, MoveDone) and e.cell == 1)
+            _wait(ex, seen, lambda e: sum(isinstance(x, RolloutFinished) for x in seen) == 2)
+        finally:
+            ex.close()
+            gw.stop()
+    moved = {h.session_id for h in ex.groups[1].sessions}
+    after = [
+        r["cell_id"]
+        for r in store.read("tito").to_pylist()
+        if r["session_id"] in moved and r["t_start"] > t_move
+    ]
+    assert ex.stats.sessions_rerouted == 2 and after, "the sessions ended before the move"
+    assert set(after) == {ex.cell_id(0)}, after  # never the empty cell 2
+    assert ex.groups[1].cell == 0

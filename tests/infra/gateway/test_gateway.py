@@ -616,3 +616,35 @@ def test_streaming_completions_and_native_generate(gateway, cells):
     assert list(recs[last["meta_info"]["id"]].output_ids) == last["output_ids"]
     assert recs[last["meta_info"]["id"]].endpoint == "generate"
     _check_exact(list(recs.values()), engines)
+
+
+def test_withdrawal_moves_a_group_to_the_cell_the_scheduler_named(gateway, cells, model_dir):
+    """The coordinator books a withdrawn cell's sessions on the cells its ``Move`` names: the
+    gateway must send them there, not to the least-loaded cell (else the books drift: a cell
+    over its cap, a cell with other weights)."""
+    _, urls = cells
+    gw = gateway
+    extra = {"c": ScriptedEngine(model_dir, cell_id="c")}
+    with serving(extra) as more:
+        gw.add_engine("c", more["c"])
+        s1, k1 = gw.new_session(group_id="g1", meta={"cell_id": "a"})
+        s2, k2 = gw.new_session(group_id="g2", meta={"cell_id": "b"})  # b is busier than c
+        s3, k3 = gw.new_session(group_id="g3", meta={"cell_id": "a"})
+        for key in (k1, k2, k3):
+            _client(gw, key).chat.completions.create(
+                model="gyre", messages=[{"role": "user", "content": "Hi."}], max_tokens=2
+            )
+        assert [gw.sessions.get(s).cell_id for s in (s1, s2, s3)] == ["a", "b", "a"]
+        info = gw.remove_engine("a", targets={"g1": "b"})
+        assert info["sessions_moved"] == 2
+        assert gw.sessions.get(s1).cell_id == "b"  # where the scheduler rerouted it
+        assert gw.sessions.get(s3).cell_id == "c"  # not named: the least-loaded cell
+        r = _client(gw, k1).chat.completions.create(
+            model="gyre",
+            messages=[{"role": "user", "content": "Hi."}, {"role": "user", "content": "More."}],
+            max_tokens=2,
+        )
+        rec = {x.request_id: x for x in _records(gw, s1)}[r.id]
+        assert rec.cell_id == "b"
+        gw.remove_engine("c")
+    gw.add_engine("a", urls["a"])  # back for the other tests

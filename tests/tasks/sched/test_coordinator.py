@@ -17,6 +17,7 @@ from tasks.sched.coordinator import (
     VersionCount,
     WeightsLoaded,
 )
+from tasks.sched.costs import Costs
 from tasks.sched.modes import Async, AsyncStream, Colocate, Elastic
 from tasks.sched.waterlevel import Marks
 
@@ -139,7 +140,7 @@ def test_elastic_step_waits_for_the_lag_gate_then_takes_the_fastest_members():
 
 
 def test_elastic_recruits_when_the_step_is_near_rerouting_to_new_enough_weights():
-    pol = elastic(core=2)
+    pol = elastic(core=2, trip_in_sizing=False)  # wants every cell (sizing: tests below)
     cells = [
         CellView(0, "rollout", sessions=1, weight_version=2),  # core, old weights
         CellView(1, "rollout", sessions=2, weight_version=3),  # core, 2 free slots
@@ -262,14 +263,48 @@ def test_elastic_training_size_fastest_when_lag_bound_binds_else_by_capacity():
     needs (4,000 x 5,000 / 4 + 240,000 + 2 m^2) / 1,000 = 5,240 + 0.002 m^2 s
     and the lag window far less, so capacity binds from m = 47 (where
     d(m) = 240,000 / m + 2 m drops to it); past that the largest m within 2 %
-    of 5,244.4 s: 0.002 m^2 <= 109.3 -> m = 233.
+    of 5,244.4 s: 0.002 m^2 <= 109.3 -> m = 233. (Round trips not counted.)
     """
     cells = [CellView(i, "rollout") for i in range(1000)]
     kw = dict(train_s_per_sample=60.0, dp_sync_s=2.0, timeout_s=14_400.0, batch=4000, core=125)
+    kw["trip_in_sizing"] = False
     s = state(cells, mean_duration=5_000.0)
     assert elastic(**kw, max_lag=1)._target_members(s) == 346
     assert elastic(**kw, max_lag=4)._target_members(s) == 233
     assert elastic(**kw, max_lag=4)._target_members(state(cells)) == 346  # no duration yet
+
+
+def test_elastic_training_size_pays_for_round_trips():
+    """The same pool, each member's round trip 900 s (the marks' dead band; no move
+    measured yet) once per L + 1 steps. Lag <= 1: per step the lag window costs the
+    pool (14,400 + 240,000 / m + 2 m) / 2 s and the trips 900 m / 2 cell-s, i.e.
+    0.45 m s of the pool's time: minimal at m = sqrt(120,000 / 1.45) ~ 288 (not 346).
+    Lag <= 4: capacity (5,240 + 0.002 m^2 + 0.18 m) binds; within 2 % of its best,
+    m = 201. A measured round trip replaces the guess: 90 s, under 5 % of the 4 h cap,
+    is not worth counting (late starts that short do not show at the gate): 346 again.
+    """
+    cells = [CellView(i, "rollout") for i in range(1000)]
+    kw = dict(train_s_per_sample=60.0, dp_sync_s=2.0, timeout_s=14_400.0, batch=4000, core=125)
+    s = state(cells, mean_duration=5_000.0)
+    assert elastic(**kw, max_lag=1)._target_members(s) == 288
+    assert elastic(**kw, max_lag=4)._target_members(s) == 201
+    measured = Costs(60.0, 2.0, drain_s=60.0, to_rollout_s=30.0)
+    s = state(cells, mean_duration=5_000.0, costs=measured)
+    assert elastic(**kw, max_lag=1)._target_members(s) == 346
+
+
+def test_coordinator_longest_duration_over_the_window():
+    """One slot: rollouts of 500, 100 and 100 s one after another; the longest of the
+    last two is 100 once the 500 s one has left the window."""
+    co = Coordinator(AsyncStream(batch=2, rollout_cells=1, max_lag=1), 2, 1, duration_window=2)
+    co.handle(Tick(0.0))
+    for i, t in enumerate((500.0, 600.0, 700.0)):
+        co.handle(Tick(t))
+        co.handle(RolloutFinished(0, i))
+        co.handle(Tick(t))  # the next rollout starts at t
+        if i == 1:
+            assert co.state().longest_duration == 500.0
+    assert co.state().longest_duration == 100.0
 
 
 def test_coordinator_mean_duration_over_finishes():

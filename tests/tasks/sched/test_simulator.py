@@ -267,3 +267,47 @@ def test_training_follows_length_makes_steps_cost_their_samples():
         work = sum(10.0 * on.median_at(i) / 100.0 for i in range(8 * j, 8 * j + 8))
         assert steps_on[j] == pytest.approx(steps_off[j] * work / 80.0)
     assert steps_on[2] > 2 * steps_on[0]
+
+
+def test_executor_costs_delay_finishes_and_steps_but_not_lag_or_training():
+    """``finish_delay_s`` (a sample reaches the buffer after its last token, the slot booked
+    meanwhile) and ``step_overhead_s`` slow a run down by about their sum per step in
+    colocate (every step waits for its last rollout and its own end), and change neither
+    the tokens' lag nor what the steps train."""
+    w = dataclasses.replace(SMALL, sigma=0.0, growth=1.0, tick_s=1.0)
+    base = simulate(presets.colocate(w), w, seed=0)
+    slow = dataclasses.replace(w, finish_delay_s=100.0, step_overhead_s=50.0)
+    m = simulate(presets.colocate(slow), slow, seed=0)
+    extra = (m["hours"] - base["hours"]) * 3600.0
+    assert abs(extra - w.steps * 150.0) <= w.steps * w.tick_s, extra
+    assert m["lag_max"] == base["lag_max"] == 0 and m["samples_trained"] == base["samples_trained"]
+    e0 = simulate(presets.elastic(w, 1), w, seed=0)
+    e1 = simulate(presets.elastic(w, 1), dataclasses.replace(w, finish_delay_s=100.0), seed=0)
+    assert e1["hours"] > e0["hours"] and e1["lag_max"] <= 1 and e1["sessions_broken"] == 0
+
+
+def test_a_paced_workload_is_the_file_in_live_seconds():
+    """bench/modes.py plays a workload file scaled in time on the live run's sizes: the
+    simulator's prediction for it is the file's run (on those sizes) scaled by the same factor."""
+    from tasks.sched.config import PacingConfig, coordinator_args, paced_workload
+
+    k = 1 / 240
+    pacing = PacingConfig(workload="bench/workloads/growth.yaml", time_scale=k)
+    live = paced_workload(pacing, cells=8, cap=2, batch=16, steps=6, tick_s=15.0 * k)
+    f = load_workload("bench/workloads/growth.yaml")
+    sized = dataclasses.replace(f, cells=8, cap=2, batch=16, steps=6)
+    assert (live.cells, live.cap, live.batch, live.steps) == (8, 2, 16, 6)
+    assert live.median_s == pytest.approx(f.median_s * k)
+    assert live.train_s_per_sample == pytest.approx(f.train_s_per_sample * k)
+    assert live.growth == f.growth and live.train_follows_length == f.train_follows_length
+    for pol, scaled in (
+        (presets.async_stream(sized, 5), presets.async_stream(live, 5)),
+        (presets.elastic(sized, 1), presets.elastic(live, 1, min_dwell_s=300.0 * k)),
+    ):
+        a = simulate(pol, sized, seed=3)
+        sim = Simulator(scaled, live, seed=3)
+        for key, v in coordinator_args(pacing).items():  # the coordinator's clock, scaled
+            setattr(sim.coord, key, v)
+        b = sim.run()
+        assert b["hours"] == pytest.approx(a["hours"] * k, rel=1e-6), pol
+        assert b["lag_mean"] == pytest.approx(a["lag_mean"]), pol

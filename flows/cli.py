@@ -148,11 +148,14 @@ def _run_failure(exc: BaseException, resume: str) -> str | None:
     """The line that explains a run's end by ``exc``, where its cause is one a user can act
     on (a lost Dask scheduler, a broken agent, a store outage); None for anything else."""
     from infra.cells.cluster import SchedulerLost
+    from infra.cells.reach import StoreUnreachable
     from storage.store import StoreError
     from tasks.rollout import RolloutsFailed
 
     if (lost := _cause(exc, lambda e: isinstance(e, SchedulerLost))) is not None:
         return f"{lost}; then continue the run with `{resume}`"
+    if (far := _cause(exc, lambda e: isinstance(e, StoreUnreachable))) is not None:
+        return f"{far}\nthen continue the run with `{resume}`"  # names each cell and host
     if (failed := _cause(exc, lambda e: isinstance(e, RolloutsFailed))) is not None:
         return str(failed)  # the agent is broken (every reason is in the rollouts view)
     if (out := _cause(exc, lambda e: isinstance(e, StoreError) and bool(e.outage))) is not None:

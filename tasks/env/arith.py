@@ -220,17 +220,24 @@ class ArithEnv:
 
 
 class ArithSuite:
-    """The suite: tasks from seeds, one ``ArithEnv`` per session, scores as graded."""
+    """The suite: tasks from seeds, one ``ArithEnv`` per session, scores as graded.
+
+    A suite of the same shape with other tasks (``story``) changes the class attributes."""
 
     name = "arith"
+    levels: Any = _LEVELS
+    env_cls: Any = ArithEnv
+    make_task = staticmethod(make_task)
 
     def __init__(self, subtasks: int = 3, difficulty: int = 1):
-        if difficulty not in _LEVELS:
-            raise ValueError(f"difficulty={difficulty}: the arith suite has levels {list(_LEVELS)}")
+        if difficulty not in self.levels:
+            raise ValueError(
+                f"difficulty={difficulty}: the {self.name} suite has levels {list(self.levels)}"
+            )
         self.subtasks, self.difficulty = subtasks, difficulty
 
     def task(self, seed: int) -> Task:
-        task_id, subs = make_task(seed, self.subtasks, self.difficulty)
+        task_id, subs = self.make_task(seed, self.subtasks, self.difficulty)
         return Task(
             task_id,
             seed,
@@ -239,7 +246,7 @@ class ArithSuite:
         )
 
     def start(self, task: Task, workdir: str) -> ArithEnv:
-        env = ArithEnv.create(task.seed, len(task.subtasks), self.difficulty)
+        env = self.env_cls.create(task.seed, len(task.subtasks), self.difficulty)
         env.workdir = workdir
         return env
 

@@ -31,8 +31,7 @@ import random
 import re
 from typing import Any, ClassVar
 
-from tasks.env.arith import ArithEnv, Subtask
-from tasks.env.suite import Outcome, SubtaskScore, SubtaskSpec, Task
+from tasks.env.arith import ArithEnv, ArithSuite, Subtask
 
 SYSTEM_PROMPT = (
     "Solve each problem in one line: write the calculation, then the result. "
@@ -149,32 +148,10 @@ class StoryEnv(ArithEnv):
         return f"error: no tools in this task (called {name!r})"
 
 
-class StorySuite:
+class StorySuite(ArithSuite):
     """The suite: word problems from seeds, one ``StoryEnv`` per session."""
 
     name = "story"
-
-    def __init__(self, subtasks: int = 3, difficulty: int = 1):
-        if difficulty not in LEVELS:
-            raise ValueError(f"difficulty={difficulty}: the story suite has levels {list(LEVELS)}")
-        self.subtasks, self.difficulty = subtasks, difficulty
-
-    def task(self, seed: int) -> Task:
-        task_id, subs = make_task(seed, self.subtasks, self.difficulty)
-        return Task(
-            task_id,
-            seed,
-            tuple(SubtaskSpec(s.subtask_id, s.weight, s.question) for s in subs),
-            {"questions": [s.question for s in subs]},
-        )
-
-    def start(self, task: Task, workdir: str) -> StoryEnv:
-        env = StoryEnv.create(task.seed, len(task.subtasks), self.difficulty)
-        env.workdir = workdir
-        return env
-
-    def evaluate(self, env: StoryEnv, outcome: Outcome) -> list[SubtaskScore]:
-        if outcome.status != "finished":
-            env.mark(outcome.status, outcome.reason)
-        env.mark("unfinished", "session ended before this sub-task")
-        return [SubtaskScore(**r) for r in env.score_rows()]
+    levels = LEVELS
+    env_cls = StoryEnv
+    make_task = staticmethod(make_task)

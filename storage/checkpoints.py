@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 
 from storage.store import Store
 
@@ -92,26 +93,12 @@ def fetch_checkpoint(
         raise FileNotFoundError(f"checkpoint v{version} is not complete in {store.url}")
     if store.protocol == "file":
         return store.path(rel)
-    cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "gyre-ckpt")
-    dest = os.path.join(cache_dir, store.root.replace("/", "_"), run_id, f"v{version}")
-    if os.path.exists(os.path.join(dest, _MARK)):
-        return dest
-    # Other processes may fetch the same version at once, and one may already be loading
-    # from ``dest``: download into a directory of our own beside it, then rename it into
-    # place in one step. The loser of that race drops its copy; a complete ``dest`` is never
-    # deleted or changed.
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=f".v{version}-tmp-")
-    try:
-        for name in store.listdir(rel):
-            if not with_optimizer and name.startswith("optimizer"):
-                continue
-            with open(os.path.join(tmp, name), "wb") as fh:
-                fh.write(store.read_bytes(f"{rel}/{name}"))
-        _rename_into_place(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; ours alone otherwise
-    return dest
+    return _cached_copy(
+        store,
+        rel,
+        _cache_dest(store, run_id, f"v{version}", cache_dir),
+        lambda name: with_optimizer or not name.startswith("optimizer"),
+    )
 
 
 def fetch_tokenizer(store: Store, run_id: str, cache_dir: str | None = None) -> str:
@@ -127,20 +114,39 @@ def fetch_tokenizer(store: Store, run_id: str, cache_dir: str | None = None) -> 
     rel = checkpoint_relpath(run_id, vs[0])
     if store.protocol == "file":
         return store.path(rel)
+    return _cached_copy(
+        store,
+        rel,
+        _cache_dest(store, run_id, f"v{vs[0]}-tokenizer", cache_dir),
+        lambda name: name.endswith((".json", ".jinja", ".model", ".txt")) or name == _MARK,
+    )
+
+
+def _cache_dest(store: Store, run_id: str, leaf: str, cache_dir: str | None) -> str:
+    """Where this host caches ``leaf`` of ``run_id``'s checkpoints from ``store``."""
     cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "gyre-ckpt")
-    dest = os.path.join(cache_dir, store.root.replace("/", "_"), run_id, f"v{vs[0]}-tokenizer")
+    return os.path.join(cache_dir, store.root.replace("/", "_"), run_id, leaf)
+
+
+def _cached_copy(store: Store, rel: str, dest: str, keep: Callable[[str], bool]) -> str:
+    """``dest``, holding the files of the store's directory ``rel`` that ``keep`` accepts
+    (its completion marker among them), downloaded unless a complete copy is there."""
     if os.path.exists(os.path.join(dest, _MARK)):
         return dest
+    # Other processes may fetch the same version at once, and one may already be loading
+    # from ``dest``: download into a directory of our own beside it, then rename it into
+    # place in one step. The loser of that race drops its copy; a complete ``dest`` is never
+    # deleted or changed.
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=f".v{vs[0]}-tok-")
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=f".{os.path.basename(dest)}-tmp-")
     try:
         for name in store.listdir(rel):
-            if name.endswith((".json", ".jinja", ".model", ".txt")) or name == _MARK:
+            if keep(name):
                 with open(os.path.join(tmp, name), "wb") as fh:
                     fh.write(store.read_bytes(f"{rel}/{name}"))
         _rename_into_place(tmp, dest)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone when renamed; ours alone otherwise
     return dest
 
 

@@ -48,6 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CONTROL_LR = "1e-12"
+# per preset: settings only the control gets. SmolLM2's control is frozen weights evaluated
+# before and after ONE step (lr 1e-12): frozen weights are the same after 1 step as after N,
+# so its "after" measures what a frozen policy's greedy evaluation does (batching near-ties)
+# without spending a full run (~20 min a seed on 2 cores) to learn it.
+CONTROL_ONLY = {"demo": [], "smol": ["train.steps=1", "eval.every=1"]}
 # per preset: the settings of --quick (the plumbing, not the figure)
 QUICK = {
     "demo": ["train.steps=2", "eval.every=2", "eval.tasks=4", "warmstart.steps=20"]
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         # side by side only for the tiny model: two SmolLM2 runs need ~16 GB together
         with ThreadPoolExecutor(2 if args.quick and args.preset == "demo" else 1) as pool:
             rl_f = pool.submit(run, store, f"{args.preset}-s{seed}", seed, extra, args.preset)
-            ctl_extra = [*extra, f"train.lr={CONTROL_LR}"]
+            ctl_extra = [*extra, f"train.lr={CONTROL_LR}", *CONTROL_ONLY[args.preset]]
             ctl_f = pool.submit(run, store, f"control-s{seed}", seed, ctl_extra, args.preset)
             rl, ctl = rl_f.result(), ctl_f.result()
         rows.append({"seed": seed, "rl": rl, "control": ctl})

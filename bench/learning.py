@@ -25,6 +25,11 @@ process of the run (its cells included) and where the time goes (``run_costs``).
 ``--set key=value`` (repeatable) passes settings to both runs, e.g. a shorter run:
 
     python bench/learning.py --preset smol --seeds 0 --set train.steps=8 --set eval.every=4
+
+``--rows DIR`` keeps each finished seed (its two runs' summaries, wall times, peak memory
+and the store they are in) as ``DIR/PRESET-sSEED.json``; a later invocation with the same
+``--rows`` reuses those seeds and runs only the missing ones, so a bench that dies on its
+third seed does not cost the first two again.
 """
 
 from __future__ import annotations
@@ -222,7 +227,7 @@ def smol_figures(store: str, preset: str, rows: list[dict[str, Any]]) -> dict[st
     gain, gain_se, vs_ctl, vs_ctl_se = paired_gains(rows)
     costs = []
     for r in rows:
-        c = run_costs(store, r["rl"]["run_id"])
+        c = run_costs(r.get("store", store), r["rl"]["run_id"])
         c["wall_s"] = r["rl"]["wall_s"]
         c["flow_s"] = r["rl"]["seconds"]
         # Prefect server start, the model's and cells' start-up before the flow, teardown
@@ -275,19 +280,35 @@ def main(argv: list[str] | None = None) -> int:
                     help="a setting for both runs (repeatable)")  # fmt: skip
     ap.add_argument("--store", help="where the runs go (default: a temporary directory)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--rows", metavar="DIR",
+                    help="keep each finished seed's runs here (PRESET-sSEED.json) and reuse "
+                         "them instead of running that seed again")  # fmt: skip
     args = ap.parse_args(argv)
     seeds = args.seeds[:1] if args.quick else args.seeds
     extra = (QUICK[args.preset] if args.quick else []) + args.set
     store = args.store or tempfile.mkdtemp(prefix="gyre-bench-learning-")
+    rows_dir = Path(args.rows) if args.rows else None
     rows = []
     for seed in seeds:
+        saved = rows_dir / f"{args.preset}-s{seed}.json" if rows_dir else None
+        if saved is not None and saved.exists():
+            # a seed finished by an earlier invocation (e.g. before the bench died on a later
+            # seed): its row as that invocation wrote it, the runs in the store it names
+            row = json.loads(saved.read_text())
+            rows.append(row)
+            print(f"seed {seed}: reused {saved} (runs in {row['store']})", flush=True)
+            continue
         # side by side only for the tiny model: two SmolLM2 runs need ~16 GB together
         with ThreadPoolExecutor(2 if args.quick and args.preset == "demo" else 1) as pool:
             rl_f = pool.submit(run, store, f"{args.preset}-s{seed}", seed, extra, args.preset)
             ctl_extra = [*extra, f"train.lr={CONTROL_LR}", *CONTROL_ONLY[args.preset]]
             ctl_f = pool.submit(run, store, f"control-s{seed}", seed, ctl_extra, args.preset)
             rl, ctl = rl_f.result(), ctl_f.result()
-        rows.append({"seed": seed, "rl": rl, "control": ctl})
+        row = {"seed": seed, "store": store, "settings": extra, "rl": rl, "control": ctl}
+        rows.append(row)
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps(row, indent=2))
         print(
             f"seed {seed}: {args.preset} {rl['reward_before']:.3f} -> {rl['reward_after']:.3f}, "
             f"control {ctl['reward_before']:.3f} -> {ctl['reward_after']:.3f} "

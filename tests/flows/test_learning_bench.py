@@ -49,3 +49,29 @@ def test_paired_gain_and_standard_error_by_hand():
     rows[0]["control"]["learning"]["per_task"].pop("b")
     assert learning.paired_gains(rows)[2:] == (pytest.approx(1 / 3), pytest.approx(0.0))
     assert learning.paired_gains([]) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_saved_seeds_are_reused_not_rerun(tmp_path, monkeypatch, capsys):
+    """``--rows DIR``: a seed whose row an earlier invocation saved is read back, not run
+    again, and counts in the figures like a seed run now."""
+
+    def no_run(*a, **k):
+        raise AssertionError("a saved seed was run again")
+
+    monkeypatch.setattr(learning, "run", no_run)
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    for seed, after in ((0, 2 / 3), (1, 1 / 3)):
+        rl = _summary({"a": (0.0, after)}) | {"reward_before": 0.0, "reward_after": after}
+        ctl = _summary({"a": (0.0, 0.0)}) | {"reward_before": 0.0, "reward_after": 0.0}
+        for s in (rl, ctl):
+            s |= {"curve": "", "wall_s": 10.0}
+        row = {"seed": seed, "store": str(tmp_path), "rl": rl, "control": ctl}
+        (rows_dir / f"demo-s{seed}.json").write_text(learning.json.dumps(row))
+    out = tmp_path / "figures.json"
+    assert learning.main(["--seeds", "0", "1", "--rows", str(rows_dir), "--json", str(out)]) == 0
+    figures = learning.json.loads(out.read_text())
+    assert figures["reward_gain"] == pytest.approx(0.5)
+    assert figures["seeds"] == [0, 1] and figures["seeds_beating_control"] == 2
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith(("seed 0: reused", "seed 1: reused")) for line in printed) == 2

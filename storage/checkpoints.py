@@ -51,6 +51,25 @@ def commit_checkpoint(store: Store, run_id: str, version: int, record: dict | No
     return store.full_url(rel)
 
 
+def drop_optimizer_state(store: Store, run_id: str, below: int) -> list[int]:
+    """Delete the optimizer state of committed versions older than ``below``; returns them.
+
+    Only a step's start version's optimizer state is ever read (``restore_trainer``: a step,
+    its retry, a DP joiner and ``--resume`` all start from the newest version), so older
+    versions keep their weights (for evaluation, serving, export) but not the state, which
+    is twice the weights under AdamW: a 135M model in fp32 wrote 1.6 GB a step, 0.54 GB of
+    it weights."""
+    dropped = []
+    for v in versions(store, run_id):
+        if v >= below:
+            break
+        rel = checkpoint_relpath(run_id, v)
+        names = [n for n in store.listdir(rel) if n.startswith("optimizer")]
+        if any([store.remove(f"{rel}/{n}") for n in names]):
+            dropped.append(v)
+    return dropped
+
+
 def read_commit(store: Store, run_id: str, version: int) -> dict | None:
     """The commit record in version ``version``'s marker; None if the version is not
     committed or was not made by a step (version 0, a copied model)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from storage.checkpoints import commit_checkpoint, read_commit, versions
+from storage.checkpoints import commit_checkpoint, drop_optimizer_state, read_commit, versions
 from storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ def commit_step_record(
     # the step is committed now; the rows below are its projection (roll_forward redoes it)
     store.append("ledger", ledger_rows)
     store.append("steps", [steps_row])
+    # the version before this one keeps its state too: a step retried from it after a
+    # crash between its own stage and commit finds what it needs
+    drop_optimizer_state(store, run_id, below=version - 1)
     return url
 
 

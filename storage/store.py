@@ -479,6 +479,15 @@ class Store:
                 fh.write(data)
         return local_dir
 
+    def remove(self, relpath: str) -> bool:
+        """Delete one object; False if it was not there."""
+        p = self.path(relpath)
+        try:
+            self._retry(f"rm {p}", self.fs.rm_file, p)
+        except FileNotFoundError:
+            return False
+        return True
+
     def listdir(self, relpath: str) -> list[str]:
         try:
             return sorted(

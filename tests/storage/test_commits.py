@@ -4,14 +4,19 @@ once by ``roll_forward``, and a resumed run continues after the newest committed
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from storage.checkpoints import (
     commit_checkpoint,
+    fetch_checkpoint,
     latest_version,
     publish_checkpoint,
     stage_checkpoint,
 )
 from storage.commits import commit_step_record, last_committed, roll_forward, rows_by_step
 from storage.store import Store
+from tests.s3 import moto_s3
 
 RUN = "c"
 
@@ -64,3 +69,39 @@ def test_commit_then_crash_before_rows_then_roll_forward(tmp_path):
     assert latest_version(store, RUN) == 2
     assert last_committed(store, RUN) == (2, 2)
     assert roll_forward(store, RUN) == []
+
+
+def _old_state_dropped(store: Store, src: Path) -> None:
+    cache = str(src.parent / "cache")
+    (src / "model.safetensors").write_bytes(b"w")
+    publish_checkpoint(store, RUN, str(src), 0)
+    (src / "optimizer.pt").write_bytes(b"adam")
+    for step in range(4):
+        stage_checkpoint(store, RUN, str(src), step + 1)
+        commit_step_record(store, RUN, step, step + 1, *_rows(step, step + 1, [f"x{step}"]))
+
+    def files(v: int) -> list[str]:
+        return store.listdir(f"checkpoints/{RUN}/v{v}")
+
+    assert [("optimizer.pt" in files(v)) for v in range(5)] == [False, False, False, True, True]
+    assert all("model.safetensors" in files(v) for v in range(5))
+    # the newest version restores with its state; an old one still serves its weights
+    newest = fetch_checkpoint(store, RUN, 4, cache, with_optimizer=True)
+    assert (Path(newest) / "optimizer.pt").read_bytes() == b"adam"
+    assert "model.safetensors" in os.listdir(fetch_checkpoint(store, RUN, 1, cache))
+
+
+def test_old_versions_lose_their_optimizer_state_not_their_weights(tmp_path):
+    """A committed step keeps AdamW state (twice the weights) only in the newest two
+    versions: a run of N steps no longer writes N copies of it. The weights of every
+    version stay (evaluation, serving, export)."""
+    src = tmp_path / "ck"
+    src.mkdir()
+    _old_state_dropped(Store(str(tmp_path / "s")), src)
+
+
+def test_old_optimizer_state_dropped_on_s3(tmp_path, free_port):
+    src = tmp_path / "ck"
+    src.mkdir()
+    with moto_s3(free_port(), ("ckpts",)):
+        _old_state_dropped(Store("s3://ckpts/store", retry_s=10), src)

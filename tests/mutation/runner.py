@@ -10,7 +10,9 @@ that the unmutated copy passes every test subset it will use. Each mutant runs i
 forked from a parent that has already imported torch, transformers and the other heavy
 libraries (but no project module), which saves their import time per mutant; a mutant that
 hangs past ``--timeout`` is killed and counts as killed. ``--no-fork`` uses a fresh
-interpreter per mutant instead.
+interpreter per mutant instead. ``--jobs`` mutants run side by side (default: one per core,
+at most 4), each on its own copy with its own pytest ``--basetemp``: every child runs on one
+torch thread, so one at a time left all but one core idle (the baseline still runs alone).
 """
 
 from __future__ import annotations
@@ -95,9 +97,10 @@ def _preimport() -> None:
     torch.set_num_threads(1)
 
 
-def _pytest_args(tests: tuple[str, ...]) -> list[str]:
+def _pytest_args(tests: tuple[str, ...], basetemp: Path) -> list[str]:
     return [
         *tests,
+        f"--basetemp={basetemp}",
         "-x",
         "-q",
         "-p",
@@ -110,7 +113,9 @@ def _pytest_args(tests: tuple[str, ...]) -> list[str]:
     ]
 
 
-def _run_forked(work: Path, tests: tuple[str, ...], log: Path, timeout: float) -> int | None:
+def _fork_pytest(work: Path, tests: tuple[str, ...], log: Path, basetemp: Path) -> int:
+    """A child forked from this process (heavy libraries already imported) that imports the
+    (mutated) copy and runs pytest; returns its pid."""
     pid = os.fork()
     if pid == 0:  # child: import the (mutated) copy, run pytest, exit with its code
         rc = 3
@@ -125,42 +130,77 @@ def _run_forked(work: Path, tests: tuple[str, ...], log: Path, timeout: float) -
             sys.path[:] = [str(work)] + [p for p in sys.path if p and Path(p) != ROOT]
             import pytest
 
-            rc = int(pytest.main(_pytest_args(tests)))
+            rc = int(pytest.main(_pytest_args(tests, basetemp)))
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(rc)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return None
-        time.sleep(0.05)
+    return pid
 
 
-def _run_subprocess(work: Path, tests: tuple[str, ...], log: Path, timeout: float) -> int | None:
-    env = dict(os.environ, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1")
-    with open(log, "w") as fh:
-        try:
-            return subprocess.run(
-                [sys.executable, "-m", "pytest", *_pytest_args(tests)],
+class _Run:
+    """One pytest run on one copy, started now (forked, or a fresh interpreter when ``fork``
+    is false); ``poll()`` is ``(False, None)`` while it runs, then ``(True, exit code)``, or
+    ``(True, None)`` when it ran past ``timeout`` and was killed."""
+
+    def __init__(self, work: Path, tests: tuple[str, ...], log: Path, timeout: float, fork: bool):
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + timeout
+        basetemp = work.parent / f"basetemp-{work.name}"  # its own: runs go side by side
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+        if fork:
+            self.pid = _fork_pytest(work, tests, log, basetemp)
+        else:
+            env = dict(os.environ, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1")
+            self._log = open(log, "w")  # noqa: SIM115 (closed in poll)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", *_pytest_args(tests, basetemp)],
                 cwd=work,
                 env=env,
-                stdout=fh,
+                stdout=self._log,
                 stderr=subprocess.STDOUT,
-                timeout=timeout,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            return None
+            )
+            self.pid = self.proc.pid
+
+    def poll(self) -> tuple[bool, int | None]:
+        if self.proc is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            rc = os.waitstatus_to_exitcode(status) if done else None
+        else:
+            rc = self.proc.poll()
+        if rc is None and time.monotonic() <= self.deadline:
+            return False, None
+        if rc is None:  # past its deadline
+            self.kill()
+        if self._log is not None:
+            self._log.close()
+        return True, rc
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def default_jobs() -> int:
+    """Runs side by side: one per core this process may use (each child runs on one torch
+    thread), at most 4 (each holds torch and the test's models)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def run(
-    mutants: list[Mutant], *, fork: bool = True, timeout: float = 300.0, keep: Path | None = None
+    mutants: list[Mutant],
+    *,
+    fork: bool = True,
+    timeout: float = 300.0,
+    keep: Path | None = None,
+    jobs: int | None = None,
 ) -> list[Result]:
+    """Every mutant, ``jobs`` at a time (default: one per core, :func:`default_jobs`), each
+    side-by-side run on its own copy of the code; results in the order of ``mutants``."""
     for m in mutants:
         check_applies(m)
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -171,35 +211,60 @@ def run(
 
         threads = torch.get_num_threads()
         _preimport()
-    runner = _run_forked if fork else _run_subprocess
+    jobs = jobs or default_jobs()
     tmp = Path(tempfile.mkdtemp(prefix="gyre-mutants-")) if keep is None else keep
-    work = make_copy(tmp / "src")
+    copies = [make_copy(tmp / ("src" if i == 0 else f"src{i}")) for i in range(jobs)]
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
-    results = []
     # the unmutated code must pass every test a mutant uses, or a "kill" means nothing
     every = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+    # one run, alone, as before: some of these tests time their own processes (a DP member's
+    # failed formation must be over within a sleep), which a second run beside them slows
     t0 = time.monotonic()
-    rc = runner(work, every, logs / "baseline.log", timeout)
-    if rc != 0:
+    base = _Run(copies[0], every, logs / "baseline.log", timeout, fork)
+    while not (got := base.poll())[0]:
+        time.sleep(0.05)
+    if got[1] != 0:
         raise MutantError(
-            f"the unmutated code fails {' '.join(every)} (rc={rc}); see {logs / 'baseline.log'}"
+            f"the unmutated code fails {' '.join(every)} (rc={got[1]}); see {logs / 'baseline.log'}"
         )
-    results.append(Result(" ".join(every), "", "baseline", time.monotonic() - t0, 0))
-    for i, m in enumerate(mutants):
-        target = work / m.path
-        original = target.read_text()
-        target.write_text(original.replace(m.old, m.new))
-        t0 = time.monotonic()
-        try:
-            rc = runner(work, m.tests, logs / f"{i:02d}.log", timeout)
-        finally:
-            target.write_text(original)
-        status = "timeout" if rc is None else "survived" if rc == 0 else "killed"
-        first = _first_failure(logs / f"{i:02d}.log")
-        rc = -1 if rc is None else rc
-        results.append(Result(m.name, m.path, status, time.monotonic() - t0, rc, first))
-        print(f"{status:8s} {time.monotonic() - t0:6.1f}s  {m.path}: {m.name}", flush=True)
+    results = [Result(" ".join(every), "", "baseline", time.monotonic() - t0, 0)]
+    done: dict[int, Result] = {}
+    pending = list(enumerate(mutants))
+    free = list(copies)
+    active: dict[int, tuple[Path, str, _Run]] = {}  # mutant index -> (copy, its text, run)
+    try:
+        while pending or active:
+            while pending and free:
+                i, m = pending.pop(0)
+                work = free.pop(0)
+                target = work / m.path
+                original = target.read_text()
+                target.write_text(original.replace(m.old, m.new))
+                active[i] = (
+                    work,
+                    original,
+                    _Run(work, m.tests, logs / f"{i:02d}.log", timeout, fork),
+                )
+            for i, (work, original, r) in list(active.items()):
+                finished, rc = r.poll()
+                if not finished:
+                    continue
+                m = mutants[i]
+                (work / m.path).write_text(original)
+                free.append(work)
+                del active[i]
+                secs = time.monotonic() - r.t0
+                status = "timeout" if rc is None else "survived" if rc == 0 else "killed"
+                first = _first_failure(logs / f"{i:02d}.log")
+                done[i] = Result(m.name, m.path, status, secs, -1 if rc is None else rc, first)
+                print(f"{status:8s} {secs:6.1f}s  {m.path}: {m.name}", flush=True)
+            time.sleep(0.05)
+    finally:
+        for i, (work, original, r) in active.items():
+            r.kill()
+            (work / mutants[i].path).write_text(original)
+    results += [done[i] for i in range(len(mutants))]
     if keep is None:
         shutil.rmtree(tmp, ignore_errors=True)
     if fork:
@@ -225,13 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     ap.add_argument("--no-fork", action="store_true", help="a fresh interpreter per mutant")
+    ap.add_argument(
+        "--jobs", type=int, default=0, help="mutants side by side (0: one per core, at most 4)"
+    )
     ap.add_argument("--keep", default=None, help="keep the copy and logs in this directory")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if args.only in m.name]
     keep = Path(args.keep) if args.keep else None
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
-    results = run(chosen, fork=not args.no_fork, timeout=args.timeout, keep=keep)
+    t0 = time.monotonic()
+    results = run(
+        chosen, fork=not args.no_fork, timeout=args.timeout, keep=keep, jobs=args.jobs or None
+    )
+    wall = time.monotonic() - t0
     s = summary(results)
     print("\n| mutant | file | result | first failing test |\n| --- | --- | --- | --- |")
     for r in results:
@@ -239,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r.name} | {r.path} | {r.status} | {r.failed} |")
     print(
         f"\nkilled {s['killed']}/{s['mutants']} = {100 * s['kill_rate']:.0f}% "
-        f"in {s['seconds']:.0f} s; survived: {s['survived'] or 'none'}"
+        f"in {wall:.0f} s wall ({s['seconds']:.0f} s of runs); survived: {s['survived'] or 'none'}"
     )
     if args.json:
         Path(args.json).write_text(
-            json.dumps(s | {"results": [asdict(r) for r in results]}, indent=1)
+            json.dumps(s | {"wall_s": wall, "results": [asdict(r) for r in results]}, indent=1)
         )
     return 0
 

@@ -38,6 +38,8 @@ class TitoRecord:
     t_start: float = 0.0
     t_end: float = 0.0
     endpoint: str = "generate"
+    request_json: str | None = None  # the harness's request, as JSON (see TITO_SCHEMA)
+    response_json: str | None = None  # the Response object of a ``responses`` call
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_row(self) -> dict[str, Any]:

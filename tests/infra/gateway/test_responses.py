@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -322,3 +323,8 @@ def test_request_json_holds_the_request_as_the_harness_sent_it(gw, engine):
         (c2.id, {"after": c1.id, "messages": [reply, tool_turn], "tools": tools}),
         (r1.id, {"input": "Hello", "instructions": "Be kind."}),
     ]
+    # README's query for a call's whole message list gives what the client sent
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    (whole,) = [q for q in readme.split(";") if "WITH RECURSIVE" in q]
+    (row,) = query(gw.store, whole.replace("chatcmpl-...", c2.id)).to_pylist()
+    assert json.loads(row["messages"]) == msgs2

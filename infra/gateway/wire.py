@@ -316,8 +316,9 @@ class ChatRequest(OpenAISampling):
         sent it back), only ``messages[at:]`` are stored, with ``after`` naming that call.
 
         Why not the whole list: a harness re-sends its whole conversation on every call, so
-        storing each request in full costs O(calls x context) bytes (a 1M-token session, a few
-        hundred times its size), where TITO stores each token once. The gateway knows
+        storing each request in full costs O(calls x context) bytes (a session of N calls,
+        about N/2 times its size: for a 1M-token one, gigabytes), where TITO stores each token
+        once. The gateway knows
         ``after`` already (it is how it extends a call token-exactly), so the delta is free;
         a call's full list is its ``after`` chain's lists, concatenated from the root."""
         d: dict[str, Any] = {"after": after} if after is not None else {}

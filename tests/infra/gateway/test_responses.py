@@ -328,3 +328,9 @@ def test_request_json_holds_the_request_as_the_harness_sent_it(gw, engine):
     (whole,) = [q for q in readme.split(";") if "WITH RECURSIVE" in q]
     (row,) = query(gw.store, whole.replace("chatcmpl-...", c2.id)).to_pylist()
     assert json.loads(row["messages"]) == msgs2
+    (per_call,) = [q for q in readme.split(";") if "AS extends" in q]
+    rows = query(gw.store, per_call.replace("sess-...", sid)).to_pylist()
+    assert [(r["extends"], json.loads(r["messages"])) for r in rows[:2]] == [
+        (None, msgs),
+        (c1.id, [reply, tool_turn]),
+    ]

@@ -21,6 +21,7 @@ Columns (the ``*_ids``/``*_mask``/``*_logprobs`` lists are aligned token by toke
 | ``reward`` | the rollout's reward (declared aggregation of its sub-task scores) |
 | ``advantage`` | the branch's advantage (``--advantage``: grpo = group-normalised reward) |
 | ``prompt_text``, ``response_text`` | the two token lists decoded with the run's own tokenizer (its v0 checkpoint), special tokens kept; null for a run without checkpoints |
+| ``request_json`` | the request of the call that ends the branch as the harness sent it, JSON: a chat call's whole ``messages`` and its ``tools``; a Responses call's ``input``, ``instructions``, ``tools``, ``previous_response_id``; null where the call has none (Completions, ``/generate``) |
 
 A ``gyre serve`` run exports too: its sessions that no ``gyre run --from-served`` pass used
 yet come out with ``step`` -1, one group per ``group_id``, their reward the weighted mean of
@@ -40,6 +41,7 @@ import pyarrow.parquet as pq
 
 from storage.checkpoints import versions
 from storage.store import Store
+from storage.tito import whole_requests
 from storage.tito_log import table_to_records
 from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.scoring import Score, score_rollout
@@ -63,6 +65,7 @@ EXPORT_SCHEMA = pa.schema(
         ("advantage", pa.float64()),
         ("prompt_text", pa.string()),
         ("response_text", pa.string()),
+        ("request_json", pa.string()),
     ]
 )
 
@@ -106,6 +109,9 @@ def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[d
         )
         for s in samples:
             rows.append(_row(s))
+    requests = whole_requests(records, [r["request_id"] for r in rows])
+    for r in rows:
+        r["request_json"] = requests[r["request_id"]]
     if rows and versions(store, run_id):  # text needs the run's tokenizer (its v0)
         from storage.transcripts import tokenizer
 

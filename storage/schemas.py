@@ -28,7 +28,14 @@ TITO_SCHEMA = pa.schema(
         ("cached_tokens", pa.int32()),
         ("t_start", pa.float64()),
         ("t_end", pa.float64()),
-        ("endpoint", pa.string()),  # chat | completions | generate
+        ("endpoint", pa.string()),  # chat | completions | generate | responses
+        # the request as the harness sent it, JSON (chat: the messages it added since the call
+        # it extends, and tools; responses: input, instructions, tools, previous_response_id);
+        # null for completions and /generate (their input ids are the request) and in
+        # segments written before the column existed
+        ("request_json", pa.string()),
+        # responses only: the Response object the call answered (GET /v1/responses/{id})
+        ("response_json", pa.string()),
     ]
 )
 

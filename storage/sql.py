@@ -67,19 +67,18 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
     con.execute("SET autoload_known_extensions = false")
     con.execute("SET lock_configuration = true")
     for name in VIEWS:
-        segs = store.segments(name)
-        if segs:
+        # every column of the schema, in its order, even where no segment has it yet (a
+        # column added after the segments were written reads as null)
+        empty: pa.Table = SCHEMAS[name].empty_table()
+        con.register(f"_empty_{name}", empty)
+        source = f"SELECT * FROM _empty_{name}"
+        if store.segments(name):
             if store.protocol == "file":
                 glob = store.path(name, "part-*.parquet")
             else:
                 glob = store.full_url(name, "part-*.parquet")
-            con.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', union_by_name=true)"
-            )
-        else:
-            empty: pa.Table = SCHEMAS[name].empty_table()
-            con.register(f"_empty_{name}", empty)
-            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+            source += f" UNION ALL BY NAME SELECT * FROM read_parquet('{glob}', union_by_name=true)"
+        con.execute(f"CREATE VIEW {name} AS {source}")
     register_text(con, store)  # detokenize(), calls, transcripts (storage/transcripts.py)
     return con
 

@@ -352,7 +352,12 @@ class Store:
         if not tables:
             return pa.table({}) if schema is None else schema.empty_table()
         table = pa.concat_tables(tables, promote_options="default")
-        return table if schema is None else table.select(schema.names).cast(schema)
+        if schema is None:
+            return table
+        for f in schema:  # a column added after these segments were written: null in them
+            if f.name not in table.column_names:
+                table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+        return table.select(schema.names).cast(schema)
 
     def own_segment(self, path: str) -> str | None:
         """``path`` as one of this store's own segments, or None.

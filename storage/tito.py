@@ -11,6 +11,7 @@ Pure module: no prefect, no distributed, no I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ class TitoRecord:
     t_start: float = 0.0
     t_end: float = 0.0
     endpoint: str = "generate"
+    request_json: str | None = None  # the harness's request, as JSON (see TITO_SCHEMA)
+    response_json: str | None = None  # the Response object of a ``responses`` call
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_row(self) -> dict[str, Any]:
@@ -130,3 +133,47 @@ def reconstruct_inputs(records: Iterable[TitoRecord]) -> dict[str, np.ndarray]:
 def unique_tokens(records: Iterable[TitoRecord]) -> int:
     """Tokens a session holds once each: every record's new input + output."""
     return sum(len(r.new_input_ids) + len(r.output_ids) for r in records)
+
+
+def whole_requests(records: Iterable[TitoRecord], rids: Iterable[str]) -> dict[str, str | None]:
+    """The request of each call in ``rids`` as the harness sent it, JSON text (``gyre export``):
+    a chat call's whole message list, rebuilt along its ``after`` chain (``request_json``
+    keeps only what a call added to the call it extends), with its own tools; any other
+    request as stored. None where the call, or a call of its chain, has no ``request_json``."""
+    by_id = {r.request_id: r for r in records}
+    parsed: dict[str, dict | None] = {}
+    messages: dict[str, list | None] = {}  # rid -> whole message list (None: unknown)
+
+    def request(rid: str) -> dict | None:
+        if rid not in parsed:
+            r = by_id.get(rid)
+            parsed[rid] = json.loads(r.request_json) if r is not None and r.request_json else None
+        return parsed[rid]
+
+    def whole(rid: str) -> list | None:
+        chain = []  # rid, its after, ... up to one already rebuilt or the first
+        cur: str | None = rid
+        while cur is not None and cur not in messages:
+            chain.append(cur)
+            req = request(cur)
+            cur = req.get("after") if req is not None else None
+        for c in reversed(chain):
+            req = request(c)
+            if req is None or not isinstance(req.get("messages"), list):
+                messages[c] = None
+                continue
+            after = req.get("after")
+            head = messages.get(after) if after is not None else []
+            messages[c] = None if head is None else [*head, *req["messages"]]
+        return messages[rid]
+
+    out: dict[str, str | None] = {}
+    for rid in rids:
+        req = request(rid)
+        if req is None or "messages" not in req:
+            out[rid] = by_id[rid].request_json if rid in by_id else None
+            continue
+        msgs = whole(rid)
+        rebuilt = {"messages": msgs, **({"tools": req["tools"]} if "tools" in req else {})}
+        out[rid] = None if msgs is None else json.dumps(rebuilt)
+    return out

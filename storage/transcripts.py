@@ -8,7 +8,9 @@ connection, a DuckDB function and two views over it:
   special tokens kept, so a chat template's role markers show who said what;
 - ``calls``: one row per model call: ``input_text`` (the call's new input: what the harness
   added since its parent call, template and tool text included), ``output_text`` (what the
-  policy generated), with the call's ids, version, finish reason and token counts;
+  policy generated), ``request_json`` (the request as the harness sent it, JSON: see
+  `storage.schemas.TITO_SCHEMA`), with the call's ids, version, finish reason and token
+  counts;
 - ``transcripts``: one row per session: its calls' input deltas and outputs in order, as
   one text (a retry or reset shows as the text it starts again from).
 
@@ -40,7 +42,7 @@ SELECT run_id, session_id, request_id, seq_no, parent_request_id, weight_version
        len(output_ids) AS output_tokens,
        detokenize(run_id, new_input_ids) AS input_text,
        detokenize(run_id, output_ids) AS output_text,
-       t_start, t_end
+       request_json, t_start, t_end
 FROM tito
 """
 

@@ -58,6 +58,10 @@ class ChatInput:
     msg_key: bytes | None = None
     hashes: bytes = b""
     info: dict = field(default_factory=dict)
+    # chat: the earlier call whose messages and reply this call's messages start with, and
+    # where its reply sits in them (messages[:after_at] were that call's messages)
+    after: str | None = None
+    after_at: int = 0
 
     @property
     def new_input_ids(self) -> np.ndarray:

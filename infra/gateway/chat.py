@@ -413,6 +413,7 @@ def build_chat_input(
     hint = None
     mode = "branch"
     found = find_by_reply(calls, keys, messages)
+    after, at = found if found is not None else (None, 0)
     if found is not None:
         rid, k = found
         c = calls.calls[rid]
@@ -426,7 +427,9 @@ def build_chat_input(
     if ids is None:
         ids = np.asarray(tok.encode(tok.render(messages, tools, True)), dtype=np.int32)
     parent, k, hashes = calls.find_parent(ids, hint=hint)
-    return ChatInput(ids, parent, k, mode, msg_key=keys[-1], hashes=hashes)
+    return ChatInput(
+        ids, parent, k, mode, msg_key=keys[-1], hashes=hashes, after=after, after_at=at
+    )
 
 
 def build_token_input(calls: SessionCalls, ids: list[int] | np.ndarray) -> ChatInput:

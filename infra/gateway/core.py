@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from infra.engine_api.client import EngineError
 from infra.gateway.chat import ChatTokenizer, SessionCalls
 from infra.gateway.pipeline import CallPipeline
+from infra.gateway.responses import restore as restore_responses
 from infra.gateway.router import EngineHandle, Router
 from infra.gateway.sessions import (
     Session,
@@ -122,7 +123,8 @@ class GatewayCore:
         ]
 
     def session_calls(self, s: Session) -> SessionCalls:
-        """The session's call index (rebuilt from the store after a gateway restart)."""
+        """The session's call index (rebuilt from the store after a gateway restart, with its
+        Responses chains: call this before reading ``s.responses``)."""
         if s.session_id in self._restore_pending:
             self._restore_pending.discard(s.session_id)
             self._restore(s)
@@ -131,7 +133,8 @@ class GatewayCore:
         return s.calls
 
     def _restore(self, s: Session) -> None:
-        """Rebuild a journaled session's call index from the store (after a restart)."""
+        """Rebuild a journaled session's call index and Responses chains from the store
+        (after a restart)."""
         if self._restore_table is None:  # read once for all journaled sessions
             self._restore_table = self.store.read("tito")
             self._restore_keys = read_key_journal(self._keys_path)
@@ -140,7 +143,9 @@ class GatewayCore:
             pc.equal(table["session_id"], s.session_id), pc.equal(table["run_id"], self.run_id)
         )
         keys = self._restore_keys.get(s.session_id, {})
-        restore_calls(s, table_to_records(table.filter(mask)), keys, self.tok.im_end_id)
+        records = table_to_records(table.filter(mask))
+        restore_calls(s, records, keys, self.tok.im_end_id)
+        restore_responses(s, records)
 
     def journal_reply(self, session_id: str, rid: str, msg_key: bytes, reply: bytes) -> None:
         """Remember which messages a chat call answered and its reply's digest, so that after a

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
+_RESPONSE = "/v1/responses/"  # GET /v1/responses/{id}
 Send = Callable[[dict], Awaitable[None]]
 
 
@@ -144,7 +145,10 @@ class GatewayApp:
     async def __call__(self, scope: dict, receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        route = self.routes.get(scope["path"])
+        path = scope["path"]
+        route = self.routes.get(path)
+        if route is None and path.startswith(_RESPONSE) and "/" not in path[len(_RESPONSE) :]:
+            route = ("GET", self.get_response)
         try:
             if route is None or route[0] != scope["method"]:
                 status = 404 if route is None else 405
@@ -212,6 +216,7 @@ class GatewayApp:
             param="messages",
             parse_tools=body.parse_tools,
         )
+        call.request_json = body.request_json(call.inp.after, call.inp.after_at)
         if gp.stream:
             return await pump(gw, call, ChatStream(tok, call, model), send, req.receive)
         a = await gw.pipeline.run(call)
@@ -271,6 +276,7 @@ class GatewayApp:
         self.check_model(body.model)
         gp = body.gen_params()
         tools, tok = body.chat_tools, gw.tok
+        gw.session_calls(s)  # after a restart, this also restores the session's responses
         messages, own = conversation(s, body)
         try:
             messages = normalize_messages(messages)
@@ -284,12 +290,25 @@ class GatewayApp:
             param="input",
             parse_tools=body.parse_tools,
         )
+        call.request_json = body.request_json()
+        call.render = lambda a: response_body(call, body, a)  # recorded with the call
         if gp.stream:
             view = ResponsesStream(tok, call, body, lambda a: remember(s, call, body, own, a))
             return await pump(gw, call, view, send, req.receive)
         a = await gw.pipeline.run(call)
         remember(s, call, body, own, a)
-        await send_json(send, response_body(call, body, a), res=a.res)
+        await send_json(send, a.body, res=a.res)
+
+    async def get_response(self, req: Request, send: Send) -> None:
+        """``GET /v1/responses/{id}``: a response of the caller's session, as it was answered
+        (after a restart too: it is read back from the TITO record)."""
+        s = self.session_of(req)
+        rid = req.scope["path"][len(_RESPONSE) :]
+        self.gw.session_calls(s)  # after a restart, this also restores the session's responses
+        got = s.responses.get(rid)
+        if got is None:
+            raise ApiError(404, f"Response with id {rid!r} not found.", param="response_id")
+        await send_json(send, got[2])
 
     # -- models, scores, admin, stats ----------------------------------------------------
     async def models(self, req: Request, send: Send) -> None:

@@ -1,10 +1,10 @@
 """The gateway: what an agent harness talks to (DESIGN.md §5 "Gateway").
 
 An OpenAI-compatible HTTP server (``/v1/chat/completions`` with tools and streaming,
-``/v1/completions``, ``/v1/responses``, ``/v1/models``) plus SGLang's native ``/generate``
-for token-level harnesses, in front of any number of engines reached only through
-`EngineClient`. For each call it turns messages into token ids with token exactness
-(`infra.gateway.chat`), routes the call to a cell with session affinity
+``/v1/completions``, ``/v1/responses`` and ``GET /v1/responses/{id}``, ``/v1/models``) plus
+SGLang's native ``/generate`` for token-level harnesses, in front of any number of engines
+reached only through `EngineClient`. For each call it turns messages into token ids with
+token exactness (`infra.gateway.chat`), routes the call to a cell with session affinity
 (`infra.gateway.router`), and appends a TITO record to a durable `TitoLog` *before* the
 response (or the final stream chunk) goes out (`infra.gateway.pipeline`). The OpenAI ``id`` of
 a response is the TITO ``request_id``; harnesses report sub-task scores against it on

@@ -51,7 +51,7 @@ from infra.gateway.chat import (
 )
 from infra.gateway.router import EngineHandle, NoEngineError, Router
 from infra.gateway.sessions import Session
-from infra.gateway.wire import ApiError, GenParams, bad
+from infra.gateway.wire import ApiError, GenParams, bad, dumps
 from storage.tito import TitoRecord
 from storage.tito_log import TitoLog
 
@@ -128,6 +128,10 @@ class Call:
     parse_tools: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     generated: bool = False  # the engine's answer is in: from here on the call is recorded
+    request_json: str | None = None  # the request as the harness sent it (TITO request_json)
+    # the body the harness is answered with, when it is kept with the record (Responses:
+    # what GET /v1/responses/{id} and previous_response_id read back, restarts included)
+    render: Callable[[Answer], dict] | None = None
 
     @property
     def n_in(self) -> int:
@@ -143,6 +147,7 @@ class Answer:
     content: str | None  # text outside tool-call blocks (chat)
     tool_calls: list[dict]
     finish_reason: str  # OpenAI: stop | length | tool_calls
+    body: dict | None = None  # ``Call.render``'s body, as recorded (the one to answer with)
 
 
 class CallPipeline:
@@ -361,6 +366,8 @@ class CallPipeline:
         """Durably append the call's TITO record, then remember it in the session."""
         gw, s, inp, res = self.gw, call.session, call.inp, answer.res
         reply = answer_key(call, answer)
+        if call.render is not None:
+            answer.body = call.render(answer)
         rec = TitoRecord(
             run_id=gw.run_id,
             session_id=s.session_id,
@@ -378,6 +385,8 @@ class CallPipeline:
             t_start=res.t_start,
             t_end=res.t_end,
             endpoint=call.endpoint,
+            request_json=call.request_json,
+            response_json=dumps(answer.body).decode() if answer.body is not None else None,
         )
         await gw.tito.append_async(rec)
         with s.state_lock:

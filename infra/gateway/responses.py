@@ -7,14 +7,16 @@ A Responses request is turned into chat messages (``instructions`` -> system tur
 exact, recorded as TITO with ``endpoint="responses"``) and the answer is rendered as a
 ``response`` object (or its stream of ``response.*`` events). The conversation after each
 recorded response is remembered in its session (as a chain: each response keeps only the
-messages it added), so a later call can continue it by id.
+messages it added) with its response object, so a later call can continue it by id and
+``GET /v1/responses/{id}`` reads it back. Both live in the TITO record too (``request_json``,
+``response_json``), so they survive a gateway restart (`restore`).
 
 Pure module: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -29,12 +31,14 @@ from infra.gateway.wire import (
     _stops,
     bad,
     dumps,
+    loads,
     refuse_unsupported,
 )
 
 if TYPE_CHECKING:
     from infra.gateway.pipeline import Answer, Call
     from infra.gateway.sessions import Session
+    from storage.tito import TitoRecord
 
 
 class ResponsesRequest(Body):
@@ -90,6 +94,16 @@ class ResponsesRequest(Body):
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def request_json(self) -> str:
+        """The request as the harness sent it, for the TITO record's ``request_json``: its
+        ``input`` (with ``previous_response_id``, only the new items, as the API intends),
+        ``instructions``, ``tools`` and ``previous_response_id`` (those it sent)."""
+        d: dict[str, Any] = {"input": self.input}
+        for k in ("instructions", "tools", "previous_response_id"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return dumps(d).decode()
+
 
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
@@ -107,12 +121,12 @@ def _text(content: Any, where: str) -> str:
     raise bad("content must be a string or a list of parts", where)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict]:
-    """The request's own input as chat messages (in the template's shape)."""
-    if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
+    """A request's own input as chat messages (in the template's shape)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
     msgs: list[dict] = []
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(items):
         kind = item.get("type", "message")
         where = f"input[{i}]"
         if kind == "message":
@@ -159,10 +173,10 @@ def conversation(s: Session, req: ResponsesRequest) -> tuple[list[dict], list[di
             )
         chain = []
         while rid is not None:
-            rid, added = s.responses[rid]
+            rid, added, _ = s.responses[rid]
             chain.append(added)
         history = [m for added in reversed(chain) for m in added]
-    own = input_messages(req)
+    own = input_messages(req.input)
     if not own and not history:
         raise bad("'input' must hold at least one message", "input")
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -356,7 +370,7 @@ class ResponsesStream:
                 ),
                 self._ev("response.output_item.done", output_index=index + k, item=item),
             ]
-        final = response_body(self.call, self.req, a)
+        final = a.body if a.body is not None else response_body(self.call, self.req, a)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         events.append(self._ev(kind, response=final))
         return events
@@ -366,5 +380,39 @@ class ResponsesStream:
 
 
 def remember(s: Session, call: Call, req: ResponsesRequest, own: list[dict], a: Answer) -> None:
-    """Keep the conversation after a recorded response, for ``previous_response_id``."""
-    s.responses[call.rid] = (req.previous_response_id, [*own, reply_message(a)])
+    """Keep the conversation after a recorded response, for ``previous_response_id``, and the
+    response object, for ``GET /v1/responses/{id}``."""
+    body = a.body if a.body is not None else response_body(call, req, a)
+    s.responses[call.rid] = (req.previous_response_id, [*own, reply_message(a)], body)
+
+
+def restore(s: Session, records: Iterable[TitoRecord]) -> None:
+    """Refill ``s.responses`` from the session's recorded Responses calls (after a gateway
+    restart): each record holds the request as sent and the response object answered, which
+    is all a chain needs (records written before ``request_json`` existed are not chained)."""
+    for r in sorted(records, key=lambda r: r.seq_no):
+        if r.endpoint != "responses" or r.request_json is None or r.response_json is None:
+            continue
+        req, body = loads(r.request_json), loads(r.response_json)
+        own = input_messages(req["input"])
+        s.responses[r.request_id] = (req.get("previous_response_id"), [*own, _reply(body)], body)
+
+
+def _reply(body: dict) -> dict:
+    """`reply_message` of a response, read back from its output items."""
+    text = "".join(
+        p["text"] for it in body["output"] if it["type"] == "message" for p in it["content"]
+    )
+    calls = [
+        {
+            "id": it["call_id"],
+            "type": "function",
+            "function": {"name": it["name"], "arguments": it["arguments"]},
+        }
+        for it in body["output"]
+        if it["type"] == "function_call"
+    ]
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg

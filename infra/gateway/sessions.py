@@ -40,8 +40,9 @@ class Session:
     inflight: int = 0
     unrecorded: int = 0  # calls generated whose TITO record is not written yet
     tokens: int = 0  # unique tokens so far (new input + output of every call)
-    # Responses API: response id -> (previous response id, messages it added) (in memory)
-    responses: dict[str, tuple[str | None, list[dict]]] = field(default_factory=dict)
+    # Responses API: response id -> (previous response id, messages it added, the response
+    # object); rebuilt from the TITO records after a restart (infra/gateway/responses.py)
+    responses: dict[str, tuple[str | None, list[dict], dict]] = field(default_factory=dict)
     # guards `calls` when a large session's input is built on a worker thread
     state_lock: threading.Lock = field(default_factory=threading.Lock)
     _lock: asyncio.Lock | None = None

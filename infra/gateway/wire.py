@@ -309,6 +309,25 @@ class ChatRequest(OpenAISampling):
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def request_json(self, after: str | None, at: int) -> str:
+        """The request as the harness sent it, for the TITO record's ``request_json``: its
+        messages (each as sent) and tools. When the messages extend an earlier call ``after``
+        (``messages[:at]`` are that call's messages, ``messages[at]`` its reply as the harness
+        sent it back), only ``messages[at:]`` are stored, with ``after`` naming that call.
+
+        Why not the whole list: a harness re-sends its whole conversation on every call, so
+        storing each request in full costs O(calls x context) bytes (a session of N calls,
+        about N/2 times its size: for a 1M-token one, gigabytes), where TITO stores each token
+        once. The gateway knows
+        ``after`` already (it is how it extends a call token-exactly), so the delta is free;
+        a call's full list is its ``after`` chain's lists, concatenated from the root."""
+        d: dict[str, Any] = {"after": after} if after is not None else {}
+        start = at if after is not None else 0
+        d["messages"] = [m.model_dump(exclude_unset=True) for m in self.messages[start:]]
+        if self.tools is not None:
+            d["tools"] = self.tools
+        return dumps(d).decode()
+
 
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions`` (one prompt: text or token ids)."""

@@ -4,8 +4,10 @@ group-normalised advantage written here from its definition."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +21,13 @@ from tasks.trajectory.synth import random_session
 GYRE = [sys.executable, "-m", "flows.cli"]
 
 
+def _request(r) -> str:
+    """A chat call's request as the gateway stores it: the messages it added since the call
+    it extends (here its token parent; each adds one message naming itself)."""
+    after = {"after": r.parent_request_id} if r.parent_request_id else {}
+    return json.dumps({**after, "messages": [{"role": "user", "content": r.request_id}]})
+
+
 @pytest.fixture()
 def run_store(tmp_path):
     store = Store(str(tmp_path / "store"))
@@ -27,6 +36,7 @@ def run_store(tmp_path):
     rewards = {"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.0}
     for sid, r in rewards.items():
         recs, _ = random_session(rng, n_calls=6, session_id=sid, p_dup=0.0)
+        recs = [replace(r, request_json=_request(r)) for r in recs]
         records += recs
         sessions.append(SessionHandle(sid, "g0", "t", step=0, status="finished", subtasks={"x": 1}))
         scores.append(
@@ -86,6 +96,13 @@ def test_export_rows_are_real_branches_with_textbook_advantages(run_store, tmp_p
         assert all(lp <= 0 for lp in masked)
         assert row["reward"] == rewards[row["session_id"]]
         assert row["advantage"] == pytest.approx(grpo[row["session_id"]], abs=1e-9)
+        # the harness's whole message list of the call that ends the branch
+        chain, cur = [], leaf
+        while cur is not None:
+            chain.append(cur.request_id)
+            cur = by_id.get(cur.parent_request_id)
+        sent = [{"role": "user", "content": rid} for rid in reversed(chain)]
+        assert json.loads(row["request_json"]) == {"messages": sent}
 
 
 def test_export_of_an_unknown_run_is_a_clear_error(run_store, tmp_path):

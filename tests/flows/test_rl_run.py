@@ -197,7 +197,11 @@ def test_readme_sql_examples_answer(local_run):
     assert len(queries) >= 5
     sid = query(store, "SELECT session_id FROM nodes WHERE n_children > 1 LIMIT 1")
     sid = sid.to_pylist()[0]["session_id"]
-    tables = [query(store, q.replace("sess-...", sid)) for q in queries]
+    last = f"SELECT request_id FROM tito WHERE session_id = '{sid}' ORDER BY seq_no DESC LIMIT 1"
+    rid = query(store, last).to_pylist()[0]["request_id"]
+    tables = [
+        query(store, q.replace("sess-...", sid).replace("chatcmpl-...", rid)) for q in queries
+    ]
     answers = [t.num_rows for t in tables]
     by_subtask, saved, _stale, branches, versions = answers[:5]
     assert by_subtask == 2 and saved == 1 and branches >= 1 and versions >= 2
@@ -213,3 +217,9 @@ def test_readme_sql_examples_answer(local_run):
     n = query(store, f"SELECT count(*) AS n FROM tito WHERE session_id = '{worst['session_id']}'")
     assert calls.num_rows == n.to_pylist()[0]["n"] >= 1
     assert any("<|im_start|>" in r["input_text"] for r in calls.to_pylist())
+    # the harness's messages: per call from the one it extends, and one call's whole list
+    per_call = next(t for q, t in zip(queries, tables, strict=True) if "AS extends" in q)
+    assert per_call.num_rows >= 2 and all(r["messages"] for r in per_call.to_pylist())
+    (whole,) = next(t for q, t in zip(queries, tables, strict=True) if "RECURSIVE" in q).to_pylist()
+    roles = [m["role"] for m in json.loads(whole["messages"])]
+    assert roles[0] in ("system", "user") and roles[-1] != "assistant"

@@ -48,3 +48,34 @@ def test_row_roundtrip():
     row = r.to_row()
     assert row["new_input_ids"] == [1, 2] and "extra" not in row
     assert TitoRecord.from_row(row) == TitoRecord.from_row({**row, "unknown": 1})
+
+
+def test_whole_requests_rebuild_chat_messages_along_after():
+    """A chat call stores the messages it added since the call it extends (``after``); its
+    whole request is the chain's messages joined, with its own tools."""
+    import json
+    from dataclasses import replace
+
+    from storage.tito import whole_requests
+
+    def req(r, **d):
+        return replace(r, request_json=json.dumps(d))
+
+    u = lambda text: {"role": "user", "content": text}  # noqa: E731
+    a = req(rec("a", None, 0, [1], [2]), messages=[u("1")])
+    b = req(rec("b", "a", 2, [3], [4]), after="a", messages=[u("2")], tools=[{"t": 1}])
+    c = req(rec("c", "a", 2, [5], [6]), after="a", messages=[u("3")])  # a branch of a
+    d = req(rec("d", None, 0, [7], [8]), messages=[u("4")])  # a reset: all its messages
+    e = rec("e", "d", 2, [9], [10])  # no request_json (completions, or an old segment)
+    f = req(rec("f", "e", 3, [], [11]), after="e", messages=[u("5")])  # its chain is broken
+    g = req(rec("g", None, 0, [1], [2]), input="hi", previous_response_id="x")  # responses
+    got = whole_requests([g, f, e, d, c, b, a], ["b", "c", "d", "e", "f", "g", "a"])
+    assert {k: v and json.loads(v) for k, v in got.items()} == {
+        "a": {"messages": [u("1")]},
+        "b": {"messages": [u("1"), u("2")], "tools": [{"t": 1}]},
+        "c": {"messages": [u("1"), u("3")]},
+        "d": {"messages": [u("4")]},
+        "e": None,
+        "f": None,
+        "g": {"input": "hi", "previous_response_id": "x"},
+    }

@@ -3,7 +3,11 @@ decode a run's tokens with the run's own tokenizer (its v0 checkpoint in the sto
 
 from __future__ import annotations
 
+import os
+import time
+
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
@@ -12,6 +16,7 @@ from storage.checkpoints import publish_checkpoint
 from storage.schemas import TITO_SCHEMA
 from storage.sql import SqlError, format_table, query
 from storage.store import Store
+from storage.tito_log import table_to_records
 
 
 def _call(run_id, sid, seq, new_ids, out_ids, parent=None, prefix=0):
@@ -86,3 +91,25 @@ def test_detokenize_never_reads_outside_the_store(store, run_id):
 def test_csv_has_lf_line_endings(store):
     out = format_table(query(store, "SELECT 1 AS a, 'x' AS b UNION ALL SELECT 2, 'y'"), "csv")
     assert "\r" not in out and out.split("\n") == ["a,b", "1,x", "2,y"]
+
+
+def test_segments_written_before_request_json_still_read(tmp_path):
+    """A store written before ``request_json``/``response_json`` existed: ``Store.read``, the
+    views and ``calls`` read those columns as null, alone and next to newer segments."""
+    st = Store(str(tmp_path / "store"))
+    old = pa.schema([f for f in TITO_SCHEMA if f.name not in ("request_json", "response_json")])
+    os.makedirs(st.path("tito"))
+    seg = st.path("tito", f"part-{time.time_ns():020d}-00000000.parquet")
+    pq.write_table(pa.Table.from_pylist([_call("r1", "old", 0, [1], [2])], schema=old), seg)
+    sql = "SELECT session_id, request_json FROM calls ORDER BY session_id"
+    assert query(st, sql).to_pylist() == [{"session_id": "old", "request_json": None}]
+    assert query(st, "SELECT response_json FROM tito").to_pylist() == [{"response_json": None}]
+    (rec,) = table_to_records(st.read("tito"))
+    assert rec.request_json is None and rec.response_json is None
+    new = _call("r1", "new", 0, [1], [2]) | {"request_json": '{"messages": []}'}
+    st.append("tito", pa.Table.from_pylist([new], schema=TITO_SCHEMA))
+    assert query(st, sql).to_pylist() == [
+        {"session_id": "new", "request_json": '{"messages": []}'},
+        {"session_id": "old", "request_json": None},
+    ]
+    assert st.read("tito").column("request_json").to_pylist() == [None, '{"messages": []}']

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.gateway import Gateway
+from storage.sql import query
 from storage.store import Store
 from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
@@ -209,3 +211,126 @@ def test_developer_role_is_the_system_prompt_on_chat_and_responses(gw, engine):
         (rec,) = _records(gw, sid)
         seen.append(eng.received[rec.request_id])
     assert seen[0] == seen[1] == seen[2]
+
+
+def _start(store, spool, model_dir, url, **kw) -> Gateway:
+    g = Gateway(store, run_id="run-r", tokenizer_dir=model_dir, spool_dir=spool, **kw)
+    g.add_engine("a", url)
+    g.start()
+    return g
+
+
+def test_a_chain_and_get_survive_a_gateway_crash(tmp_path, engine, model_dir):
+    """``previous_response_id`` and ``GET /v1/responses/{id}`` after a restart: the chain
+    continues token-exactly and GET returns the objects the POSTs did (streamed one too)."""
+    eng, url = engine
+    eng.replies.clear()
+    store, spool = Store(str(tmp_path / "store")), str(tmp_path / "spool")
+    gw1 = _start(store, spool, model_dir, url, flush_seconds=3600, flush_records=10**6)
+    sid, key = gw1.new_session()
+    client = openai.OpenAI(base_url=gw1.openai_base_url, api_key=key, max_retries=0)
+    eng.replies.append(gw1.tok.encode(CALL))
+    r1 = client.responses.create(
+        model="gyre", instructions="Be brief.", input="Weather in Paris?", tools=[TOOL]
+    )
+    (fc,) = [o for o in r1.output if o.type == "function_call"]
+    out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"sky": "sunny"}'}
+    eng.replies.append(gw1.tok.encode("Sunny."))
+    events = list(
+        client.responses.create(
+            model="gyre", instructions="Be brief.", previous_response_id=r1.id,
+            input=[out], tools=[TOOL], stream=True,
+        )
+    )  # fmt: skip
+    r2 = events[-1].response
+    assert client.responses.retrieve(r1.id) == r1  # before the restart too
+    _, key_b = gw1.new_session()  # a session whose first call after the restart is a GET
+    client_b = openai.OpenAI(base_url=gw1.openai_base_url, api_key=key_b, max_retries=0)
+    b1 = client_b.responses.create(model="gyre", input="Hi", max_output_tokens=3)
+    assert store.read("tito").num_rows == 0  # the records are in the WAL only
+    gw1.stop(flush=False)  # a crash
+
+    gw2 = _start(store, spool, model_dir, url)
+    try:
+        client = openai.OpenAI(base_url=gw2.openai_base_url, api_key=key, max_retries=0)
+        eng.replies.append(gw2.tok.encode("Bye."))
+        r3 = client.responses.create(
+            model="gyre", instructions="Be brief.", previous_response_id=r2.id,
+            input="Thanks!", tools=[TOOL],
+        )  # fmt: skip
+        assert r3.output_text == "Bye."
+        for rid, r in ((r1.id, r1), (r2.id, r2), (r3.id, r3)):
+            assert client.responses.retrieve(rid) == r
+        client_b = openai.OpenAI(base_url=gw2.openai_base_url, api_key=key_b, max_retries=0)
+        assert client_b.responses.retrieve(b1.id) == b1
+        recs = _records(gw2, sid)
+    finally:
+        gw2.stop()
+    assert [r.request_id for r in recs] == [r1.id, r2.id, r3.id]
+    full = _check_exact(recs, eng)
+    prev, cur = recs[1], recs[2]  # the call after the restart extends the one before it
+    assert cur.parent_request_id == prev.request_id
+    assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
+
+
+def test_get_response_of_another_session_or_unknown_id_is_404(gw, engine):
+    eng, _ = engine
+    _, key_a = gw.new_session()
+    _, key_b = gw.new_session()
+    a = openai.OpenAI(base_url=gw.openai_base_url, api_key=key_a, max_retries=0)
+    b = openai.OpenAI(base_url=gw.openai_base_url, api_key=key_b, max_retries=0)
+    eng.replies.append(gw.tok.encode("Hello."))
+    r = a.responses.create(model="gyre", input="Hi", max_output_tokens=4)
+    assert a.responses.retrieve(r.id) == r
+    for client, rid in ((b, r.id), (a, "resp-nope")):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.retrieve(rid)
+        body = err.value.body
+        assert set(body) == {"message", "type", "param", "code"} and rid in body["message"]
+    with pytest.raises(openai.NotFoundError):  # nor can b continue a's chain
+        b.responses.create(model="gyre", input="x", previous_response_id=r.id)
+
+
+def test_request_json_holds_the_request_as_the_harness_sent_it(gw, engine):
+    """The ``calls`` view's ``request_json``: a chat call's messages and tools as sent (after
+    the first call, the messages it added since the call it extends), a Responses call's
+    input, instructions, tools and previous_response_id."""
+    eng, _ = engine
+    sid, key = gw.new_session()
+    client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
+    tools = [{"type": "function", "function": {k: TOOL[k] for k in ("name", "parameters")}}]
+    msgs = [
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    eng.replies.append(gw.tok.encode(CALL))
+    c1 = client.chat.completions.create(model="gyre", messages=msgs, tools=tools)
+    reply = c1.choices[0].message.model_dump(exclude_none=True)
+    tool_turn = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "sun"}
+    msgs2 = [*msgs, reply, tool_turn]
+    eng.replies.append(gw.tok.encode("Sunny."))
+    c2 = client.chat.completions.create(model="gyre", messages=msgs2, tools=tools)
+    eng.replies.append(gw.tok.encode("Hi."))
+    r1 = client.responses.create(model="gyre", instructions="Be kind.", input="Hello")
+    gw.flush()
+    rows = query(
+        gw.store,
+        f"SELECT request_id, request_json FROM calls WHERE session_id = '{sid}' ORDER BY seq_no",
+    ).to_pylist()
+    got = [(r["request_id"], json.loads(r["request_json"])) for r in rows]
+    assert got == [
+        (c1.id, {"messages": msgs, "tools": tools}),
+        (c2.id, {"after": c1.id, "messages": [reply, tool_turn], "tools": tools}),
+        (r1.id, {"input": "Hello", "instructions": "Be kind."}),
+    ]
+    # README's query for a call's whole message list gives what the client sent
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    (whole,) = [q for q in readme.split(";") if "WITH RECURSIVE" in q]
+    (row,) = query(gw.store, whole.replace("chatcmpl-...", c2.id)).to_pylist()
+    assert json.loads(row["messages"]) == msgs2
+    (per_call,) = [q for q in readme.split(";") if "AS extends" in q]
+    rows = query(gw.store, per_call.replace("sess-...", sid)).to_pylist()
+    assert [(r["extends"], json.loads(r["messages"])) for r in rows[:2]] == [
+        (None, msgs),
+        (c1.id, [reply, tool_turn]),
+    ]

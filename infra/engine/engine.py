@@ -6,7 +6,9 @@ What it does (DESIGN.md §5, issue 3):
   budget; ``cached_tokens`` reports the prompt tokens whose KV came from it.
 - **Continuous batching**: one scheduler thread. Running requests decode together, one token
   per step, in a left-padded batch KV buffer (`BatchKV`); new requests are prefilled (chunked)
-  between decode steps and then join the batch.
+  between decode steps, several waiting prompts in one forward when they fit a chunk
+  together, and then join the batch. On the CPU the linear layers run from oneDNN-packed
+  weights (`infra.engine.packed_linear`).
 - **Logprobs**: for each output token, its logprob under the distribution it was drawn from:
   logits / temperature, cut to top-k and top-p, renormalised (`infra.engine.sampling`; the raw
   ``log_softmax`` when greedy). A trainer scoring the tokens under the same processing gets

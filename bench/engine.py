@@ -97,7 +97,7 @@ def peak_rss_mib() -> float:
 @contextmanager
 def engine_profile(eng: Engine, into: dict[str, float]):
     """Sum the engine scheduler's time into ``into`` (seconds): ``prefill`` (prefill
-    forwards), ``decode`` (batched decode forwards) and ``sampling`` (`Engine._choose`);
+    forwards, batched or not), ``decode`` (batched decode forwards) and ``sampling`` (`Engine._choose`);
     the rest of a run's wall time is scheduling and bookkeeping."""
     forward, choose = eng._forward, eng._choose
 
@@ -105,8 +105,9 @@ def engine_profile(eng: Engine, into: dict[str, float]):
         t0 = time.perf_counter()
         try:
             return forward(input_ids, position_ids, cache, attention_mask)
-        finally:  # a decode step passes the batch's mask; a prefill chunk none
-            key = "prefill" if attention_mask is None else "decode"
+        finally:  # a decode step is one token a row; a prefill (one prompt or several) more
+            one = attention_mask is not None and input_ids.shape[1] == 1
+            key = "decode" if one else "prefill"
             into[key] = into.get(key, 0.0) + time.perf_counter() - t0
 
     def timed_choose(logits, reqs):

@@ -146,3 +146,24 @@ class BatchKV:
         mask = torch.zeros((B, self.end + 1), dtype=dtype)
         mask.masked_fill_(cols.unsqueeze(0) < starts, torch.finfo(dtype).min)
         return mask[:, None, None, :]
+
+
+def prefill_mask(past: list[int], new: list[int], dtype) -> torch.Tensor:
+    """Additive mask ``(B, 1, Q, P + Q)`` of a batched prefill: 0 = attend, min = not.
+
+    Row b holds its ``past[b]`` cached tokens at columns ``[P - past[b], P)`` and its
+    ``new[b]`` tokens at ``[P + Q - new[b], P + Q)`` (``P = max(past)``, ``Q = max(new)``);
+    query j is column ``P + j``. A new token attends to its row's cached tokens and, causally,
+    to its new ones; a padding query to itself only (a finite row, never read).
+    """
+    P, Q = max(past), max(new)
+    n = torch.tensor(past).view(-1, 1, 1)
+    m = torch.tensor(new).view(-1, 1, 1)
+    col = torch.arange(P + Q).view(1, 1, -1)
+    q = torch.arange(Q).view(1, -1, 1)
+    cached = (col >= P - n) & (col < P)  # (B, 1, P+Q)
+    fresh = (col >= P + Q - m) & (col <= P + q)  # (B, Q, P+Q)
+    allowed = torch.where(q >= Q - m, cached | fresh, col == P + q)  # (B, Q, P+Q)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

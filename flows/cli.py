@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
 DEFAULT_STORE = "./gyre-data"
@@ -78,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        with bounded_stop(), prefect_api():
+        # the flow's imports (prefect, torch, ...) overlap the Prefect server's start
+        with bounded_stop(), prefect_api(while_starting=lambda: import_module("flows.rl_run")):
             from flows.rl_run import rl_run
 
             summary = rl_run(
@@ -367,7 +369,20 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    rc = int(args.fn(args) or 0)
+    if argv is None and args.fn is cmd_run:
+        quick_exit(rc)
+    return rc
+
+
+def quick_exit(rc: int) -> None:
+    """End the ``gyre run`` process now that the run is over (its Prefect server stopped,
+    cells gone, store written, logs drained, output flushed): the interpreter's own
+    finalization of prefect, torch and transformers took 4-90 s (a loaded host) after the
+    last line, with nothing left to do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

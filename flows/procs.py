@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -145,11 +145,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def prefect_api() -> Iterator[str | None]:
+def prefect_api(while_starting: Callable[[], object] | None = None) -> Iterator[str | None]:
     """The Prefect API the run talks to: ``PREFECT_API_URL`` if set (a ``prefect server``
     or Cloud), else a temporary server of its own for the duration of the block (its URL
-    is put into ``PREFECT_API_URL``; call this before importing prefect)."""
+    is put into ``PREFECT_API_URL``; call this before importing prefect).
+
+    ``while_starting`` runs while the server starts, with ``PREFECT_API_URL`` already set
+    (the port is chosen first): ``gyre run`` imports its flow there (prefect, torch,
+    transformers: about as long as the server's own start), instead of after it."""
     if os.environ.get("PREFECT_API_URL"):
+        if while_starting is not None:
+            while_starting()
         yield os.environ["PREFECT_API_URL"]
         return
     spec = importlib.util.find_spec("prefect")  # where it is, without importing it
@@ -183,8 +189,10 @@ def prefect_api() -> Iterator[str | None]:
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     print(f"gyre run: temporary Prefect server on {url[:-4]} (pid {proc.pid})", file=sys.stderr)
     try:
+        os.environ["PREFECT_API_URL"] = url  # before prefect is imported, if it is here
+        if while_starting is not None:
+            while_starting()
         _wait_healthy(proc, url, SERVER_START_TIMEOUT_S)
-        os.environ["PREFECT_API_URL"] = url
         record_children(extra=[proc.pid])
         yield url
     finally:

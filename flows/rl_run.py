@@ -49,6 +49,19 @@ log = logging.getLogger(__name__)
 
 Preset = Literal.__getitem__(tuple(sorted(PRESETS)))  # a choice in the Run form
 
+# what a cell imports in the background as soon as it starts, while this process sets up
+# the gateway and the scheduling flow: the engine (torch, transformers) and the tasks' modules
+CELL_PRELOAD = (
+    "transformers.modeling_utils",
+    "infra.engine.engine",
+    "infra.engine.server",
+    "infra.cells.pacing",
+    "tasks.rollout",
+    "tasks.evaluate",
+    "tasks.process",
+    "tasks.train_step",
+)
+
 
 def _totals(store: Store, run_id: str) -> dict[str, Any]:
     """What the run produced, read back from the store (what a user's SQL would see)."""
@@ -228,6 +241,7 @@ def _run(
         harness_slots=sc.groups_per_cell,
         host=host,
         token=token,
+        preload=CELL_PRELOAD,
     ) as cells:
         record_children()  # if this process is killed, the next `gyre run` stops its cells
         check_store(cells, st, run_id)  # every cell's host reaches the store (or is named)
@@ -261,8 +275,10 @@ def _run(
         finally:
             live.drop(run_id)
             gateway.stop()
-        # training is done: the summary is written before the cells are torn down, which
+        # training is done: the cells are torn down while the summary is written (it needs
+        # the store, not the cells); the end of the block waits for the teardown, which
         # may be slow under load but never fails the run (infra/cells/cluster.py)
+        cells.stop_soon()
         summary = _summary(loop, st, run_id, sc.mode, time.monotonic() - t0)
         summary = write_learning(st, run_id, summary)  # held-out figures, curve, summary.json
         create_markdown_artifact(

@@ -17,10 +17,13 @@ training steps) are Prefect tasks.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import importlib
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -131,10 +134,11 @@ class CellPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, preload: tuple[str, ...] = ()) -> None:
         # the run's token: a cell's engine bound beyond loopback requires it (it travels to
         # restarted workers with the plugin, through the scheduler, as the roles do)
         self.token = token
+        self.preload = tuple(preload)  # modules imported in the background at setup
         self.worker_address = ""
         self.engine: Any = None
         self.server: Any = None
@@ -148,6 +152,10 @@ class CellPlugin(WorkerPlugin):
         self.worker_address = worker.address
         self.lock = threading.RLock()
         stop_thread_profiler(worker)
+        if self.preload:  # the engine's and the tasks' imports, while the run sets up
+            threading.Thread(
+                target=_preload, args=(self.preload,), name="gyre-preload", daemon=True
+            ).start()
         quiet_completed_tasks()  # this cell runs the run's tasks: their log lines
         if threading.current_thread() is threading.main_thread():
             # Ctrl-C in a terminal reaches the whole process group: the run's process stops
@@ -159,6 +167,11 @@ class CellPlugin(WorkerPlugin):
         # the DP group is not destroyed here: a step still running when the worker is asked
         # to close (a run stopped by Ctrl-C) finishes first; the process exit ends the group
         self.stop_engine()
+        # the worker closes in order: once it is closed, its process ends without the
+        # interpreter's finalization of torch and transformers (seconds, a minute on a
+        # loaded host, while its nanny waits for the process to exit)
+        if _in_worker_process():
+            atexit.register(_exit_now)
 
     def stop_engine(self) -> None:
         with self.lock or threading.RLock():
@@ -170,6 +183,34 @@ class CellPlugin(WorkerPlugin):
             if self.engine is not None and hasattr(self.engine, "close"):
                 self.engine.close()
             self.engine = None
+
+
+def _in_worker_process() -> bool:
+    """This process is a cell's worker process (started by a nanny), not a test's or a
+    run's process that hosts workers in-process."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
+def _exit_now() -> None:
+    """The last exit handler of a closed cell's process: flush the logs and output, exit."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _preload(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` (one thread, in order): a cell's first engine start and first
+    task then find torch, transformers and the task modules imported, which took a cell
+    10-60 s on a loaded host, while the run's process was still setting up. A module that
+    fails to import here fails again, with its error, where it is used."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            log.debug("preloading %s: %s", name, exc)
 
 
 def cell_name(worker_address: str) -> str:
@@ -199,6 +240,19 @@ class Cells:
     roles: dict[str, str] = field(default_factory=dict)  # worker address -> role
     rollout_slots: float = 8.0  # Dask ``rollout`` resource of a rollout cell
     harness_slots: float = 8.0  # Dask ``harness`` resource of every cell
+    stopping: threading.Thread | None = field(default=None, repr=False)  # see stop_soon
+
+    def stop_soon(self) -> None:
+        """Start tearing the cells down (``stop_cells``) on a thread of its own, and return:
+        the caller goes on with what needs no cell (a run's summary, learning curve and
+        artifacts: 5-20 s, as long as the teardown itself) while the engines stop and the
+        workers leave; the end of ``start_cells`` waits for the teardown to finish. No cell
+        may be used after this."""
+        if self.stopping is None:
+            self.stopping = threading.Thread(
+                target=stop_cells, args=(self.client, self.cluster), name="gyre-stop-cells"
+            )
+            self.stopping.start()
 
     @property
     def scheduler_address(self) -> str:
@@ -360,6 +414,7 @@ def start_cells(
     harness_slots: int = 8,
     host: str = "127.0.0.1",
     token: str | None = None,
+    preload: tuple[str, ...] = (),
 ) -> Iterator[Cells]:
     """Start (or connect to) a Dask cluster whose workers are the cells.
 
@@ -368,9 +423,10 @@ def start_cells(
     ``threads_per_cell`` threads for work plus one per harness slot (harnesses mostly wait
     on HTTP and their environment). ``host``: the address a LocalCluster (scheduler,
     workers, dashboard) binds; ``token``: the run's token, which each cell's engine requires
-    when its worker's address is beyond loopback.
+    when its worker's address is beyond loopback; ``preload``: modules each cell imports in
+    the background as soon as it starts (the caller names them: the engine, the tasks).
     """
-    cluster = client = None
+    cluster = client = cells = None
     lost = False  # the scheduler is gone: nothing to stop through it
     try:
         if scheduler_address:
@@ -385,7 +441,7 @@ def start_cells(
                     n_cells, threads_per_cell + harness_slots, memory_limit, worker_env, host
                 )
             client = Client(cluster)
-        client.register_plugin(CellPlugin(token), name=PLUGIN_NAME)
+        client.register_plugin(CellPlugin(token, preload), name=PLUGIN_NAME)
         addrs = sorted(worker_addrs(client))[:n_cells]
         cells = Cells(
             client=client,
@@ -410,6 +466,8 @@ def start_cells(
     finally:
         if client is None:
             pass
+        elif cells is not None and cells.stopping is not None:
+            cells.stopping.join()  # the teardown `stop_soon` started (it never raises)
         elif lost:
             try:
                 client.close(timeout=LOST_CLOSE_TIMEOUT_S)

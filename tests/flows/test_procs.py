@@ -94,3 +94,28 @@ def test_a_stop_is_raised_at_a_stop_point_and_ends_the_run_as_stopped():
         "landed in the call: StopRequested('SIGINT')",  # outside: raised where it lands,
         "stopped SIGINT",  # and what the library made of it still ends the run as stopped
     ], out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_the_flow_is_imported_while_the_temporary_server_starts(monkeypatch, cache):
+    """``prefect_api(while_starting=...)``: the import runs before the server answers (the
+    two overlap), with ``PREFECT_API_URL`` already the server's, which then answers."""
+    import httpx
+
+    from flows.procs import prefect_api
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    seen = []
+
+    def importing() -> None:
+        url = os.environ.get("PREFECT_API_URL")
+        try:
+            up = httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        seen.append((url, up))
+
+    with prefect_api(while_starting=importing) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert seen == [(url, False)]
+    assert "PREFECT_API_URL" not in os.environ

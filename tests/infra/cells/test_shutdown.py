@@ -41,3 +41,27 @@ def test_cells_stop_their_engines_and_leave_without_being_killed(caplog):
     assert took < 60
     # a second teardown of what is already closed does not raise
     stop_cells(cells.client, cells.cluster, timeout=5)
+
+
+def _write_while_stopping(path, n: int = 20) -> None:
+    for i in range(n):  # what a run writes after its loop: summary, curve, artifacts
+        (path / f"part{i}.txt").write_text(str(i))
+
+
+def test_cells_torn_down_while_the_caller_writes_its_summary(tmp_path, caplog):
+    """``stop_soon``: the teardown runs while the caller goes on; the end of the block
+    waits for it: every file the caller wrote is there, every worker process has exited
+    on its own (exit status 0, none killed), and no teardown is left running."""
+    caplog.set_level(logging.WARNING, logger="distributed")
+    with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1) as cells:
+        procs = [n.process.process for n in cells.cluster.workers.values()]
+        t0 = time.monotonic()
+        cells.stop_soon()
+        returned_in = time.monotonic() - t0
+        _write_while_stopping(tmp_path)
+    assert returned_in < 1.0  # the caller was not held up by the teardown
+    assert not cells.stopping.is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"part{i}.txt" for i in range(20))
+    assert [p.exitcode for p in procs] == [0, 0]  # closed in order, quick exit included
+    killed = [r.getMessage() for r in caplog.records if "still alive" in r.getMessage()]
+    assert not killed, killed

@@ -156,7 +156,10 @@ def prefect_api(while_starting: Callable[[], object] | None = None) -> Iterator[
     if os.environ.get("PREFECT_API_URL"):
         if while_starting is not None:
             while_starting()
-        yield os.environ["PREFECT_API_URL"]
+        try:
+            yield os.environ["PREFECT_API_URL"]
+        finally:
+            _drain_prefect()  # `gyre run` ends with os._exit: queued logs go out first
         return
     spec = importlib.util.find_spec("prefect")  # where it is, without importing it
     app_dir = str(Path(spec.origin).parent.parent)

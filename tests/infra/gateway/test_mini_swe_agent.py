@@ -22,10 +22,14 @@ records, any connection or name lookup beyond loopback while the agent runs.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import ipaddress
 import json
 import os
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,40 +108,53 @@ def no_network():
 
 # -- the harness, as mini-swe-agent builds it --------------------------------------------------
 
+OFFLINE = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # the packaged cost map, never fetched
+    "LITELLM_OFFLINE_MODE": "true",  # nor catalogs or tokenizers
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price
+}
+
+
+@dataclass
+class Mini:
+    config: dict  # mini-swe-agent's bundled mini.yaml
+    get_model: Callable
+    get_environment: Callable
+    get_agent: Callable
+    attempts: list[str]  # network attempts refused so far (must stay empty)
+
 
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory):
-    """mini-swe-agent's builders, imported offline and quietly (its global config dir, which
-    it creates on import, in a temporary directory)."""
-    pytest.importorskip(
-        "litellm", reason="litellm is not installed (pip install -e '.[dev]' or make install)"
-    )
-    env = {
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # the packaged cost map, never fetched
-        "LITELLM_OFFLINE_MODE": "true",  # nor catalogs or tokenizers
-        "MSWEA_SILENT_STARTUP": "1",
-        "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path_factory.mktemp("mswea")),
-        "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
+    """mini-swe-agent's builders, imported and run offline for the whole module: litellm reads
+    its settings at import and mini-swe-agent its model class's defaults when ``get_model``
+    first imports it, so the variables stay set (and the network guard on) until the end.
+    Its global config directory, which it creates on import, is a temporary one."""
+    missing = [m for m in ("litellm", "minisweagent") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(
+            f"{' and '.join(missing)} not installed: pip install -e '.[dev]' (or make install)"
+        )
+    with pytest.MonkeyPatch.context() as mp, no_network() as attempts:
+        for k, v in OFFLINE.items():
             mp.setenv(k, v)
-        with no_network() as attempts:
-            pytest.importorskip(
-                "minisweagent",
-                reason="mini-swe-agent is not installed (pip install -e '.[dev]' or make install)",
-            )
+        mp.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path_factory.mktemp("mswea")))
+        with warnings.catch_warnings():  # litellm's TypedDicts warn under pydantic 2.14
+            warnings.simplefilter("ignore", UserWarning)
             from minisweagent.agents import get_agent
             from minisweagent.config import get_config_from_spec
             from minisweagent.environments import get_environment
             from minisweagent.models import get_model
-        assert attempts == []
-        yield get_config_from_spec("mini.yaml"), get_model, get_environment, get_agent
+        yield Mini(get_config_from_spec("mini.yaml"), get_model, get_environment, get_agent,
+                   attempts)  # fmt: skip
+    assert attempts == []
 
 
-def run_agent(mini, gw: Gateway, key: str, workdir: Path, *, steps: int = 5) -> dict:
-    """mini-swe-agent's DefaultAgent on ``TASK`` in ``workdir``, talking to ``gw``."""
-    config, get_model, get_environment, get_agent = mini
+def run_agent(mini: Mini, gw: Gateway, key: str, workdir: Path, *, steps: int = 5):
+    """mini-swe-agent's DefaultAgent on ``TASK`` in ``workdir``, talking to ``gw``: its exit
+    info and messages."""
+    config = mini.config
     model_cfg = dict(config["model"])
     model_cfg["model_kwargs"] = {
         **model_cfg.get("model_kwargs", {}),
@@ -148,10 +165,10 @@ def run_agent(mini, gw: Gateway, key: str, workdir: Path, *, steps: int = 5) -> 
         "timeout": 120,
         "num_retries": 0,
     }
-    model = get_model("openai/gyre", model_cfg)
-    env = get_environment({**config["environment"], "cwd": str(workdir)}, default_type="local")
+    model = mini.get_model("openai/gyre", model_cfg)
+    env = mini.get_environment({**config["environment"], "cwd": str(workdir)}, default_type="local")
     agent_cfg = {**config["agent"], "step_limit": steps, "cost_limit": 0}
-    agent = get_agent(model, env, agent_cfg, default_type="default")
+    agent = mini.get_agent(model, env, agent_cfg, default_type="default")
     assert type(agent).__name__ == "DefaultAgent" and type(model).__name__ == "LitellmModel"
     return agent.run(TASK), agent.messages
 
@@ -161,13 +178,12 @@ def _audited(path: Path) -> dict[str, list[int]]:
     return {r["rid"]: r["input_ids"] for r in rows}
 
 
-def check_agent_session(mini, gw: Gateway, eng, audit: Path, workdir: Path) -> None:
+def check_agent_session(mini: Mini, gw: Gateway, eng, audit: Path, workdir: Path) -> None:
     sid, key = gw.new_session()
     for command in COMMANDS:
         eng.replies.append(gw.tok.encode(_call(command)))
-    with no_network() as attempts:
-        result, messages = run_agent(mini, gw, key, workdir)
-    assert attempts == []
+    result, messages = run_agent(mini, gw, key, workdir)
+    assert mini.attempts == []
     assert result["exit_status"] == "Submitted", messages[-1]
     assert (workdir / "hello.txt").read_text() == "hello\n"  # the local environment ran it
     tool_turns = [m for m in messages if m["role"] == "tool"]

@@ -113,6 +113,8 @@ OFFLINE = {
     "LITELLM_OFFLINE_MODE": "true",  # nor catalogs or tokenizers
     "MSWEA_SILENT_STARTUP": "1",
     "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price
+    # one try per call: a retried call would take the next call's scripted reply
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
 }
 
 
@@ -162,7 +164,7 @@ def run_agent(mini: Mini, gw: Gateway, key: str, workdir: Path, *, steps: int = 
         "api_key": key,
         "temperature": 0.0,
         "max_tokens": 96,
-        "timeout": 120,
+        "timeout": 600,  # SmolLM2's prefill of the ~1,900-token prompt on a loaded machine
         "num_retries": 0,
     }
     model = mini.get_model("openai/gyre", model_cfg)

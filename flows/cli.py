@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     w = sub.add_parser(
-        "warmstart", help="supervised warm start of the tiny model on a suite's demonstrations"
+        "warmstart", help="supervised warm start of a model on a suite's demonstrations"
     )
     w.add_argument("--suite", default="tools", help="tools | repo | package.module:Suite")
     w.add_argument("--difficulty", type=int, default=1)
@@ -343,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--demos", type=int, default=512, help="distinct demonstrations")
     w.add_argument("--seed", type=int, default=0, help="shuffle/init seed of the pass")
     w.add_argument("--model-seed", type=int, default=0, help="the tiny model's seed")
+    w.add_argument("--model", help="a local HF checkpoint to start from (default: the tiny model)")
     w.add_argument("--out", help="checkpoint dir (default: the cache, reused when it exists)")
     w.add_argument("--force", action="store_true", help="rebuild even if it exists")
     w.set_defaults(fn=cmd_warmstart)

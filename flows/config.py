@@ -135,17 +135,6 @@ class RunConfig(BaseModel):
                 "seed) to learn from; use a suite that has them (tools, repo) or turn "
                 "warmstart.enabled off"
             )
-        if self.warmstart.enabled and (self.model.path or self.model.name) is not None:
-            given = (
-                f"model.path={self.model.path!r}"
-                if self.model.path is not None
-                else f"model.name={self.model.name!r}"
-            )
-            problems.append(
-                f"warmstart.enabled=true with {given}: a warm start begins from the tiny "
-                "model; set model.path to its output (gyre warmstart --out DIR) or turn "
-                "warmstart.enabled off"
-            )
         return problems
 
 

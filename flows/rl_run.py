@@ -160,13 +160,13 @@ rl_run = flow(name="rl_run", flow_run_name=_initial_name, validate_parameters=Tr
 
 
 def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
-    """The checkpoint a run starts from: ``model.path``; the pretrained ``model.name``
-    (prepared on first use); the warm start; else the tiny model."""
-    if cfg.model.path is not None:
-        return cfg.model.path
-    if cfg.model.name is not None:
-        return prepare(cfg.model.name, say=say)
-    return warm_start_for(cfg, say=say) or make_tiny_model(seed=cfg.model.seed)
+    """The checkpoint a run starts from: ``model.path``, the pretrained ``model.name``
+    (prepared on first use) or else the tiny model; with ``warmstart.enabled``, the warm
+    start of that model (built on first use)."""
+    base = cfg.model.path
+    if base is None and cfg.model.name is not None:
+        base = prepare(cfg.model.name, say=say)
+    return warm_start_for(cfg, say=say, base=base) or base or make_tiny_model(seed=cfg.model.seed)
 
 
 def _run(

@@ -1,4 +1,4 @@
-"""``gyre warmstart``: a supervised warm start of the tiny model on a suite's demonstrations.
+"""``gyre warmstart``: a supervised warm start of a model on a suite's demonstrations.
 
 RL on a randomly initialised model has nothing to reinforce: the tiny model never emits a
 well-formed tool call by chance. A short supervised pass on correct transcripts of the
@@ -10,13 +10,16 @@ sends them) teaches it the format; stopped early, it leaves RL room to add on to
 
 or, without a separate command, ``warmstart.enabled=true`` in a run config (the ``demo``
 and ``tools`` presets): the run builds the same checkpoint on first use and reuses it
-afterwards.
+afterwards. The base is the tiny model (``model.seed``), or the run's own checkpoint when
+it names one (``model.path``, ``model.name``; ``gyre warmstart --model DIR``): any local HF
+checkpoint the trainer loads (Llama, Qwen2, Qwen3 families).
 
 Deterministic and cached: the pass runs on one torch thread (``THREADS``: the order of a
 CPU matmul's sums, hence the low bits, depends on the thread count; one thread is also the
 fastest on a shared two-core machine), and the checkpoint is a function of its settings
 (``WarmStartConfig``: steps, rate, batch, demonstrations, seeds; the suite, difficulty and
-sub-tasks) and of the tiny model's recipe; it is written once to
+sub-tasks) and of its base (the tiny model's recipe and seed, or a given checkpoint's
+`fingerprint`: its files' bytes); it is written once to
 ``$GYRE_CACHE/warmstart/<suite>-d<difficulty>-<key>/`` (built in a temporary sibling and
 renamed into place, so concurrent callers never see half a checkpoint) and returned as is
 afterwards. ``warm_start.json`` in it records the settings, the losses and the build time.
@@ -88,10 +91,58 @@ class WarmStartConfig(BaseModel):
     seed: int = Field(0, description="shuffle and init seed of the supervised pass")
 
 
-def spec(cfg: WarmStartConfig, *, suite: str, difficulty: int, subtasks: int, model_seed: int):
-    """Everything the checkpoint depends on, as a plain dict (its cache key)."""
+# the files of a checkpoint that decide what it computes and how it tokenizes
+_BASE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
+
+
+def fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 of a checkpoint directory's weights (``*.safetensors``, ``*.bin``), config and
+    tokenizer files, by name: a warm start's cache key for a given base (the path alone would
+    reuse a stale warm start after the checkpoint there changed)."""
+    root = Path(model_dir)
+    names = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_file() and (p.name in _BASE_FILES or p.suffix in (".safetensors", ".bin"))
+    )
+    h = hashlib.sha256()
+    for name in names:
+        h.update(f"{name}|".encode())
+        with open(root / name, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def spec(
+    cfg: WarmStartConfig,
+    *,
+    suite: str,
+    difficulty: int,
+    subtasks: int,
+    model_seed: int,
+    base: str | os.PathLike | None = None,
+):
+    """Everything the checkpoint depends on, as a plain dict (its cache key). ``base``: a
+    given checkpoint to start from (None: the tiny model of ``model_seed``)."""
     from infra.engine.tiny_model import FORMAT_VERSION
 
+    if base is not None:  # a given checkpoint: its fingerprint instead of the tiny recipe
+        return {
+            "recipe": RECIPE_VERSION,
+            "base": fingerprint(base),
+            "suite": suite,
+            "difficulty": difficulty,
+            "subtasks": subtasks,
+            "steps": cfg.steps,
+            "lr": cfg.lr,
+            "batch_size": cfg.batch_size,
+            "demos": cfg.demos,
+            "seed": cfg.seed,
+            "demo_seed0": DEMO_SEED0,
+            "threads": THREADS,
+        }
     return {
         "recipe": RECIPE_VERSION,
         "tiny_model": FORMAT_VERSION,
@@ -139,6 +190,7 @@ def build_warmstart(
     difficulty: int = 1,
     subtasks: int = 3,
     model_seed: int = 0,
+    base: str | os.PathLike | None = None,
     out: str | os.PathLike | None = None,
     force: bool = False,
     say: Any = None,
@@ -147,6 +199,7 @@ def build_warmstart(
     """The warm-start checkpoint for these settings: (directory, its ``warm_start.json``).
 
     Returned as is when ``out`` (default: the cache) already holds it, unless ``force``.
+    ``base``: the checkpoint to start from (None: the tiny model of ``model_seed``).
     ``say``: a line before a build starts (it takes minutes); ``progress``: a stream for
     the build's progress bar (steps and loss).
     """
@@ -155,7 +208,8 @@ def build_warmstart(
     from infra.engine.tiny_model import make_tiny_model
     from tasks.train.sft import META_FILE, warm_start
 
-    s = spec(cfg, suite=suite, difficulty=difficulty, subtasks=subtasks, model_seed=model_seed)
+    s = spec(cfg, suite=suite, difficulty=difficulty, subtasks=subtasks, model_seed=model_seed,
+             base=base)  # fmt: skip
     dest = Path(out) if out is not None else default_dir(s)
     if is_complete(dest) and not force:
         meta = json.loads((dest / META_FILE).read_text())
@@ -164,7 +218,7 @@ def build_warmstart(
         if out is None:  # pragma: no cover - a hash collision in the cache
             raise WarmStartError(f"{dest} holds another warm start; remove it")
         force = True  # an explicit --out with other settings: rebuild it
-    base = make_tiny_model(seed=model_seed)
+    start = str(base) if base is not None else make_tiny_model(seed=model_seed)
     if say is not None:
         say(
             f"building the warm start: {cfg.steps} supervised steps on {cfg.demos} {suite} "
@@ -179,7 +233,7 @@ def build_warmstart(
     torch.set_num_threads(THREADS)
     try:
         res = warm_start(
-            base,
+            start,
             demos,
             str(tmp),
             steps=cfg.steps,
@@ -191,7 +245,8 @@ def build_warmstart(
         meta = json.loads((tmp / META_FILE).read_text())
         meta.update(
             spec=s,
-            base="tiny-qwen3",  # not the local path: the file is the same on every machine
+            # not the local path: the file is the same on every machine
+            base="tiny-qwen3" if base is None else Path(base).name,
             seconds=round(time.monotonic() - t0, 1),
             first_loss=res.losses[0],
             final_loss=res.losses[-1],
@@ -214,9 +269,11 @@ def build_warmstart(
     return str(dest), {**meta, "cached": False}
 
 
-def for_run(cfg: Any, say: Any = None) -> str | None:
+def for_run(cfg: Any, say: Any = None, base: str | None = None) -> str | None:
     """The run's initial model when ``cfg.warmstart.enabled`` (built on first use, saying so
-    through ``say``, with a progress bar on stderr), else None."""
+    through ``say``, with a progress bar on stderr), else None. ``base``: the run's own
+    checkpoint (``model.path``, a prepared ``model.name``) to start from, else the tiny
+    model of ``model.seed``."""
     import sys
 
     ws = cfg.warmstart
@@ -229,6 +286,7 @@ def for_run(cfg: Any, say: Any = None) -> str | None:
         difficulty=r.difficulty if ws.difficulty is None else ws.difficulty,
         subtasks=ws.subtasks or r.subtasks,
         model_seed=cfg.model.seed,
+        base=base,
         say=say,
         progress=sys.stderr,
     )
@@ -259,6 +317,8 @@ def main_warmstart(args: Any) -> int:
     problems = check_suite(
         args.suite, {"difficulty": args.difficulty, "subtasks": args.subtasks}, key="--suite"
     )
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        problems.append(f"--model {args.model}: not a checkpoint directory (no config.json)")
     if problems:
         print("gyre warmstart: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -269,6 +329,7 @@ def main_warmstart(args: Any) -> int:
             difficulty=args.difficulty,
             subtasks=args.subtasks,
             model_seed=args.model_seed,
+            base=args.model,
             out=args.out,
             force=args.force,
             say=lambda line: print(f"gyre warmstart: {line}", file=sys.stderr, flush=True),

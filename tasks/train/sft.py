@@ -11,7 +11,9 @@ text is encoded without added special tokens, and each assistant turn is cut whe
 output would be: the prompt is the rendering of the messages before it with the generation
 prompt, the target is what the full rendering adds after that prompt up to and including the
 end-of-turn marker (``<|im_end|>``: the model generates it; the newline after it is the next
-call's input). Like the gateway's "extend" path, the ids are the segments encoded one by one
+call's input). Tools on a template without a tool section (SmolLM2's) are refused with
+``SftError``: the gateway rewrites them into the system turn, which this module cannot
+reproduce from below the gateway. Like the gateway's "extend" path, the ids are the segments encoded one by one
 (prompt, target, text up to the next generation prompt, target, ...). A template that is not
 prefix-stable at a turn (the rendering of the earlier messages is not a prefix of the longer
 one) is refused with ``SftError``.
@@ -90,6 +92,16 @@ def tokenize_conversation(tokenizer: Any, conversation: Any) -> tuple[np.ndarray
     def encode(text: str) -> list[int]:
         return backend.encode(text, add_special_tokens=False).ids
 
+    if tools and render(messages[:1], False) == tokenizer.apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=False
+    ):
+        raise SftError(
+            "the chat template does not show tools (it renders the same with and without "
+            "them): the gateway writes them into the system turn instead "
+            "(infra/gateway/tool_prompt.py), which a warm start on this template would not "
+            "train on; warm-start a model whose template has a tool section, or a suite "
+            "without tools"
+        )
     ids: list[int] = []
     target: list[bool] = []
     done = ""  # the text already turned into ids

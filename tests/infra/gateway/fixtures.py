@@ -13,6 +13,7 @@ reported logprob is still the model's own ``log_softmax`` of that token.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ import torch
 from infra.engine.engine import Engine
 from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
+from storage.tito import reconstruct_inputs
+from storage.tito_log import table_to_records
 
 
 class ScriptedEngine(Engine):
@@ -94,3 +97,22 @@ def tokenizer_with_template(out: Path, template: str) -> str:
     hf.chat_template = template
     hf.save_pretrained(out)
     return str(out)
+
+
+def exact_records(gw, sid: str, eng: ScriptedEngine) -> list:
+    """A session's TITO records, checked: each input rebuilt from TITO equals the ids the
+    engine received, each output the ids it generated, and each call extends the one before
+    (its parent, sharing all of the parent's input and output)."""
+    gw.flush()
+    recs = sorted(
+        (r for r in table_to_records(gw.store.read("tito")) if r.session_id == sid),
+        key=lambda r: r.seq_no,
+    )
+    full = reconstruct_inputs(recs)
+    for r in recs:
+        assert full[r.request_id].tolist() == eng.received[r.request_id]
+        assert list(r.output_ids) == list(eng.requests[r.request_id].output_ids)
+    for prev, cur in itertools.pairwise(recs):
+        assert cur.parent_request_id == prev.request_id
+        assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
+    return recs

@@ -83,9 +83,7 @@ def test_config_refuses_a_warm_start_it_cannot_build():
     with pytest.raises(ConfigError) as ei:
         load_config(preset="tiny", overrides=["warmstart.enabled=true", "rollout.suite=arith"])
     assert "no demonstrations" in str(ei.value)
-    with pytest.raises(ConfigError) as ei:
-        load_config(
-            preset="tiny",
-            overrides=["warmstart.enabled=true", "rollout.suite=tools", "model.path=/x"],
-        )
-    assert "model.path" in str(ei.value)
+    # a warm start of a given checkpoint is one it can build (tests/flows/test_model_path.py)
+    load_config(
+        preset="tiny", overrides=["warmstart.enabled=true", "rollout.suite=tools", "model.path=/x"]
+    )

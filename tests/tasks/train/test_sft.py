@@ -132,6 +132,20 @@ def test_refuses_what_it_cannot_learn_from(tiny_dir):
     assert all(x in str(info.value) for x in ("steps=0", "lr=0", "no conversations"))
 
 
+def test_tools_on_a_template_without_a_tool_section_are_refused_not_dropped(tmp_path):
+    """SmolLM2's template drops ``tools``; the gateway writes them into the system turn, so
+    a warm start on the template's rendering would train on tokens the model never sees."""
+    from transformers import AutoTokenizer
+
+    from tests.infra.gateway.fixtures import SMOL_TEMPLATE, tokenizer_with_template
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_with_template(tmp_path, SMOL_TEMPLATE))
+    conv = {"messages": CONVERSATIONS[0], "tools": TOOLS}
+    with pytest.raises(SftError, match="does not show tools"):
+        tokenize_conversation(hf, conv)
+    tokenize_conversation(hf, CONVERSATIONS[0])  # without tools: fine
+
+
 def mean_assistant_logprob(model_dir, conversations):
     """Textbook: log-softmax of a plain forward, averaged over the assistant tokens (the mask
     checked above) -- not the function under test."""

@@ -251,7 +251,8 @@ def smol_figures(store: str, preset: str, rows: list[dict[str, Any]]) -> dict[st
         "smol_eval_tokens_per_s": median("eval_tokens_per_s"),
         "smol_train_tokens_per_s": median("train_tokens_per_s"),
         "smol_train_s_per_step": median("train_s_per_step"),
-        "smol_peak_rss_mib": costs[0]["peak_rss"] if costs else [],
+        # the first seed whose peak memory was recorded
+        "smol_peak_rss_mib": next((c["peak_rss"] for c in costs if c["peak_rss"]), []),
         "smol_costs": costs,
     }
     print(

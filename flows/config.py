@@ -202,9 +202,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # AdamW state: 4 x 0.54 GB), and a micro-batch's logits are tokens x 49,152 floats
         # (4,096 tokens: 0.8 GB, with their log-softmax twice that): at dask's default 6 GiB
         # a cell was killed in its second step
-        "train": {"steps": 30, "lr": 2e-5, "max_tokens_per_micro": 1024},
+        # 12 steps: held-out 0.312 -> 0.49-0.52 on 3 seeds, 15-32 min a seed on 2 cores
+        # (BENCHMARKS.md, "SmolLM2 RL")
+        "train": {"steps": 12, "lr": 2e-5, "max_tokens_per_micro": 1024},
         "cluster": {"memory_limit": "8GiB"},
-        "eval": {"every": 10, "tasks": 32},
+        "eval": {"every": 6, "tasks": 32},
     },
     # the repository-building suite end to end: hidden-test pass fraction before and after
     "repo": {

@@ -128,25 +128,8 @@ def spec(
     given checkpoint to start from (None: the tiny model of ``model_seed``)."""
     from infra.engine.tiny_model import FORMAT_VERSION
 
-    if base is not None:  # a given checkpoint: its fingerprint instead of the tiny recipe
-        return {
-            "recipe": RECIPE_VERSION,
-            "base": fingerprint(base),
-            "suite": suite,
-            "difficulty": difficulty,
-            "subtasks": subtasks,
-            "steps": cfg.steps,
-            "lr": cfg.lr,
-            "batch_size": cfg.batch_size,
-            "demos": cfg.demos,
-            "seed": cfg.seed,
-            "demo_seed0": DEMO_SEED0,
-            "threads": THREADS,
-        }
-    return {
+    common = {
         "recipe": RECIPE_VERSION,
-        "tiny_model": FORMAT_VERSION,
-        "model_seed": model_seed,
         "suite": suite,
         "difficulty": difficulty,
         "subtasks": subtasks,
@@ -158,6 +141,9 @@ def spec(
         "demo_seed0": DEMO_SEED0,
         "threads": THREADS,
     }
+    if base is not None:  # a given checkpoint: its fingerprint instead of the tiny recipe
+        return {**common, "base": fingerprint(base)}
+    return {**common, "tiny_model": FORMAT_VERSION, "model_seed": model_seed}
 
 
 def default_dir(s: dict[str, Any]) -> Path:

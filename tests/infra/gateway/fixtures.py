@@ -115,4 +115,5 @@ def exact_records(gw, sid: str, eng: ScriptedEngine) -> list:
     for prev, cur in itertools.pairwise(recs):
         assert cur.parent_request_id == prev.request_id
         assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
+        assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
     return recs

@@ -10,7 +10,6 @@ in front of a tiny random Llama with its vocabulary.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 from pathlib import Path
 
@@ -32,9 +31,12 @@ from infra.gateway.chat import (
 from infra.gateway.gateway import Gateway
 from infra.gateway.tool_prompt import tool_section
 from storage.store import Store
-from storage.tito import reconstruct_inputs
-from storage.tito_log import table_to_records
-from tests.infra.gateway.fixtures import SMOL_TEMPLATE, ScriptedEngine, tokenizer_with_template
+from tests.infra.gateway.fixtures import (
+    SMOL_TEMPLATE,
+    ScriptedEngine,
+    exact_records,
+    tokenizer_with_template,
+)
 
 SMOL_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # A template that shows neither tools nor a system turn: tools have no place there.
@@ -315,23 +317,6 @@ def _client(gw: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=60)
 
 
-def _exact(gw: Gateway, sid: str, eng) -> list:
-    """The session's records, checked: inputs rebuilt from TITO = the ids the engine saw."""
-    gw.flush()
-    recs = sorted(
-        (r for r in table_to_records(gw.store.read("tito")) if r.session_id == sid),
-        key=lambda r: r.seq_no,
-    )
-    full = reconstruct_inputs(recs)
-    for r in recs:
-        assert full[r.request_id].tolist() == eng.received[r.request_id]
-        assert list(r.output_ids) == list(eng.requests[r.request_id].output_ids)
-    for prev, cur in itertools.pairwise(recs):  # each call extends the one before
-        assert cur.parent_request_id == prev.request_id
-        assert cur.prefix_len == len(full[prev.request_id]) + len(prev.output_ids)
-    return recs
-
-
 @pytest.mark.integration
 def test_chat_with_tools_through_the_openai_client(gw, served):
     eng, _, _ = served
@@ -367,7 +352,7 @@ def test_chat_with_tools_through_the_openai_client(gw, served):
     assert "<tool_call>" not in text and tcs[0].function.name == "add"
     assert json.loads(tcs[0].function.arguments) == {"a": 42, "b": 1}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert len(_exact(gw, sid, eng)) == 3
+    assert len(exact_records(gw, sid, eng)) == 3
 
 
 @pytest.mark.integration
@@ -391,7 +376,7 @@ def test_responses_api_with_tools_and_streaming(gw, served):
     assert events[-1].type == "response.completed"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == "It is 42." == events[-1].response.output_text
-    assert [r.endpoint for r in _exact(gw, sid, eng)] == ["responses", "responses"]
+    assert [r.endpoint for r in exact_records(gw, sid, eng)] == ["responses", "responses"]
 
 
 @pytest.mark.integration
@@ -417,7 +402,7 @@ def test_openai_agents_sdk_calls_a_tool(gw, served):
     agent = agents.Agent(name="calc", instructions="Use the tool.", model="gyre", tools=[add])
     result = agents.Runner.run_sync(agent, "What is 17 + 25?")
     assert seen == [(17, 25)] and result.final_output == "It is 42."
-    recs = _exact(gw, sid, eng)
+    recs = exact_records(gw, sid, eng)
     assert len(recs) == 2 and '"name": "add"' in gw.tok.decode(eng.received[recs[0].request_id])
 
 

@@ -10,6 +10,8 @@ Tests parametrize over ``ARCHS`` with ``micro_config(arch, vocab)``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from infra.engine.tiny_model import ARCHS  # noqa: F401  (the families, as the tiny models)
@@ -45,3 +47,13 @@ def micro_config(arch: str, vocab_size: int) -> PretrainedConfig:
     return {"qwen3": micro_qwen3_config, "llama": micro_llama_config, "qwen2": micro_qwen2_config}[
         arch
     ](vocab_size)
+
+
+def save_beside_tokenizer(model, src: str | Path, out: Path) -> str:
+    """Save ``model`` to ``out`` with the tokenizer, chat template and generation files of
+    checkpoint ``src``: a changed model that still talks with ``src``'s tokenizer."""
+    model.save_pretrained(out)
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)

@@ -14,6 +14,7 @@ import engine as engine_bench  # bench/engine.py
 
 from infra.engine import pretrained
 from infra.engine.tiny_model import make_tiny_model
+from tests.models import save_beside_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,7 @@ def peaky_llama(tmp_path_factory):
     with torch.no_grad():
         model.model.norm.weight.mul_(8.0)
     out = tmp_path_factory.mktemp("bench") / "peaky"
-    model.save_pretrained(out)
-    for f in Path(src).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return str(out)
+    return save_beside_tokenizer(model, src, out)
 
 
 def test_logprob_figure_compares_with_the_distribution_the_engine_drew_from(peaky_llama):

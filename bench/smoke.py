@@ -15,7 +15,13 @@ prints anyway:
 | Prefect server stopped, exit | the process's exit |
 
 Everything but the loop is fixed start-up and shut-down: ``smoke_fixed_share`` is that
-over the wall time (the median over the runs, as every figure here). The host is usually
+over the wall time (the median over the runs, as every figure here).
+
+CPU seconds per phase are the run's own: its process and every process under it (the
+Prefect server, the cells) at each boundary line, and the exit phase from the run's rusage
+once it is reaped. ``smoke_fixed_share_floor`` is the share the fixed phases would have if
+their CPU seconds ran on every core of this host at once, with nothing waiting: the lowest
+share this host allows for the work they do (``fixed CPU / cores`` against the loop's wall). The host is usually
 shared: read the shares, and compare two versions in the same period, alternating them
 (``--repo`` runs another checkout's ``flows.cli``, e.g. a ``git worktree`` of an older
 commit):
@@ -31,12 +37,15 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,8 +93,24 @@ def fixed_share(ph: dict[str, float]) -> float:
     return (wall - ph[LOOP]) / wall
 
 
-def run_once(repo: str, store: str, settings: list[str]) -> tuple[dict[str, float], float]:
-    """One ``gyre run --preset tiny``: its phases and its wall time."""
+def tree_cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds (user + system) of ``proc`` and every live process under it, plus what
+    they reaped."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # it ended between the listing and the read
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def run_once(
+    repo: str, store: str, settings: list[str]
+) -> tuple[dict[str, float], float, dict[str, float]]:
+    """One ``gyre run --preset tiny``: its phases' seconds, its wall time, and its phases'
+    CPU seconds."""
     env = {**os.environ, "PYTHONPATH": repo}
     env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run
     cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--store", store]
@@ -99,26 +124,43 @@ def run_once(repo: str, store: str, settings: list[str]) -> tuple[dict[str, floa
         text=True,
         bufsize=1,
     )
-    lines = []
+    ps = psutil.Process(proc.pid)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines, cpu_lines = [], []
     for line in proc.stdout:
         lines.append((time.monotonic() - t0, line.rstrip("\n")))
+        try:
+            cpu_lines.append((tree_cpu_s(ps), line.rstrip("\n")))
+        except psutil.Error:  # the run's process is gone: its last lines
+            cpu_lines.append((cpu_lines[-1][0] if cpu_lines else 0.0, line.rstrip("\n")))
     rc = proc.wait()
     end = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if rc != 0:
         tail = "\n".join(f"{t:7.2f} {s}" for t, s in lines[-30:])
         raise RuntimeError(f"gyre run exited with {rc}:\n{tail}")
-    return phases(lines, end), end
+    total_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return phases(lines, end), end, phases(cpu_lines, max(total_cpu, cpu_lines[-1][0]))
 
 
-def table(runs: list[dict[str, float]]) -> str:
+def fixed_share_floor(ph: dict[str, float], cpu: dict[str, float], cores: int) -> float:
+    """The fixed share if the fixed phases' CPU seconds ran on all ``cores`` at once."""
+    fixed = (sum(cpu.values()) - cpu[LOOP]) / cores
+    return fixed / (fixed + ph[LOOP])
+
+
+def table(runs: list[dict[str, float]], cpus: list[dict[str, float]] | None = None) -> str:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     wall = statistics.median(sum(r.values()) for r in runs)
-    rows = ["| phase | seconds | share |", "| --- | ---: | ---: |"]
+    cpu = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]} if cpus else None
+    rows = ["| phase | seconds | share | CPU seconds |", "| --- | ---: | ---: | ---: |"]
     for k, v in med.items():
-        rows.append(f"| {LABELS[k]} | {v:.1f} | {v / wall:.0%} |")
+        c = f"{cpu[k]:.1f}" if cpu else ""
+        rows.append(f"| {LABELS[k]} | {v:.1f} | {v / wall:.0%} | {c} |")
     share = statistics.median(fixed_share(r) for r in runs)
-    rows.append(f"| total (median of {len(runs)}) | {wall:.1f} | 100% |")
-    rows.append(f"| fixed start-up and shut-down (all but the loop) | | **{share:.0%}** |")
+    total_cpu = f"{statistics.median(sum(c.values()) for c in cpus):.1f}" if cpus else ""
+    rows.append(f"| total (median of {len(runs)}) | {wall:.1f} | 100% | {total_cpu} |")
+    rows.append(f"| fixed start-up and shut-down (all but the loop) | | **{share:.0%}** | |")
     return "\n".join(rows)
 
 
@@ -131,20 +173,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("settings", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     n = 1 if args.quick else args.runs
-    runs = []
+    runs, cpus = [], []
+    cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="gyre-smoke-") as tmp:
         for i in range(n):
-            ph, wall = run_once(os.path.abspath(args.repo), f"{tmp}/store{i}", args.settings)
+            ph, wall, cpu = run_once(os.path.abspath(args.repo), f"{tmp}/store{i}", args.settings)
             print(
-                f"run {i + 1}/{n}: {wall:.1f}s, fixed {fixed_share(ph):.0%}: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()),
+                f"run {i + 1}/{n}: {wall:.1f}s, fixed {fixed_share(ph):.0%} (floor on {cores} "
+                f"cores {fixed_share_floor(ph, cpu, cores):.0%}): "
+                + ", ".join(f"{k} {v:.1f}s/{cpu[k]:.1f}cpu" for k, v in ph.items()),
                 flush=True,
             )
             runs.append(ph)
-    print(table(runs))
+            cpus.append(cpu)
+    print(table(runs, cpus))
     out = {
         "smoke_wall_s": round(statistics.median(sum(r.values()) for r in runs), 1),
         "smoke_fixed_share": round(statistics.median(fixed_share(r) for r in runs), 3),
+        "smoke_fixed_share_floor": round(
+            statistics.median(
+                fixed_share_floor(r, c, cores) for r, c in zip(runs, cpus, strict=True)
+            ),
+            3,
+        ),
+        "smoke_cores": cores,
+        "smoke_cpu_s": round(statistics.median(sum(c.values()) for c in cpus), 1),
+        "smoke_fixed_cpu_s": round(statistics.median(sum(c.values()) - c[LOOP] for c in cpus), 1),
+        "smoke_loop_cpu_s": round(statistics.median(c[LOOP] for c in cpus), 1),
         "smoke_loop_s": round(statistics.median(r[LOOP] for r in runs), 1),
         **{
             f"smoke_{k}_s": round(statistics.median(r[k] for r in runs), 1)
@@ -152,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if k != LOOP
         },
         "runs": runs,
+        "runs_cpu_s": cpus,
         "repo": os.path.abspath(args.repo),
     }
     if args.json:

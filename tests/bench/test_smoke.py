@@ -3,9 +3,12 @@ lines the run prints anyway (the real run end to end: ``python bench/smoke.py --
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -50,3 +53,31 @@ def test_phases_are_cut_at_the_runs_own_lines():
 def test_a_missing_boundary_is_named():
     with pytest.raises(ValueError, match="cells_gateway"):
         smoke.phases([line for line in LINES if "gateway up" not in line[1]], end_s=116.0)
+
+
+def test_the_floor_runs_the_fixed_cpu_on_every_core():
+    ph = {"cli_prefect_server": 5.0, "loop": 10.0, "exit": 1.0}
+    cpu = {"cli_prefect_server": 26.0, "loop": 14.0, "exit": 4.0}
+    # 30 fixed CPU seconds on 2 cores are 15 s at best, against a 10 s loop
+    assert smoke.fixed_share_floor(ph, cpu, cores=2) == pytest.approx(15 / 25)
+    assert smoke.fixed_share_floor(ph, cpu, cores=30) == pytest.approx(1 / 11)
+
+
+def test_tree_cpu_counts_the_processes_under_the_run():
+    # a shell whose child burns CPU: the shell itself uses next to none
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    proc = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "{busy}"; sleep 30'],
+    )
+    try:
+        ps = psutil.Process(proc.pid)
+        cpu = 0.0
+        for _ in range(100):  # until the child has burnt its CPU and been reaped
+            cpu = smoke.tree_cpu_s(ps)
+            if [c.name() for c in ps.children()] == ["sleep"]:  # the child was reaped
+                break
+            time.sleep(0.1)
+        assert cpu >= 0.5
+    finally:
+        proc.kill()
+        proc.wait()

@@ -197,9 +197,14 @@ def test_a_withdrawn_cells_groups_go_where_the_move_reroutes_them(tmp_path):
             for d in (StartRollouts(0, 1), StartRollouts(1, 1)):  # cell 2 stays empty
                 ex.apply(d, "test")
             deadline = time.monotonic() + 120
-            while gw.stats()["gateway/calls"] < 4:
-                assert time.monotonic() < deadline, "no session made a call within 120s"
-                time.sleep(0.1)
+            # both of g1's sessions sit on cell 1 once each has made a call (a session's
+            # first call places it; ten turns at 0.15 s env steps keep it live for seconds)
+            while not (
+                len(g1 := gw.group_sessions("g1")) == RCFG.group_size
+                and all(s["calls"] >= 1 for s in g1)
+            ):
+                assert time.monotonic() < deadline, "g1's sessions made no call within 120s"
+                time.sleep(0.05)
             t_move = time.time()
             ex.apply(Move(1, "train", reroute=((0, 1),)), "test: cell 1's group to cell 0")
             _wait(ex, seen, lambda e: isinstance(e, MoveDone) and e.cell == 1)
@@ -213,6 +218,6 @@ def test_a_withdrawn_cells_groups_go_where_the_move_reroutes_them(tmp_path):
         for r in store.read("tito").to_pylist()
         if r["session_id"] in moved and r["t_start"] > t_move
     ]
-    assert ex.stats.sessions_rerouted == 2 and after, "the sessions ended before the move"
+    assert ex.stats.sessions_rerouted == 2 and after, "g1's two sessions did not both move"
     assert set(after) == {ex.cell_id(0)}, after  # never the empty cell 2
     assert ex.groups[1].cell == 0

@@ -26,7 +26,8 @@ shared: read the shares, and compare two versions in the same period, alternatin
 (``--repo`` runs another checkout's ``flows.cli``, e.g. a ``git worktree`` of an older
 commit):
 
-    python bench/smoke.py [--quick] [--runs 3] [--repo DIR] [--json PATH] [key=value ...]
+    python bench/smoke.py [--quick] [--runs 3] [--repo DIR] [--prefect-api URL] [--json PATH]
+                          [key=value ...]
 
 ``--quick``: one run. Extra ``key=value`` settings go to every run.
 """
@@ -107,12 +108,15 @@ def tree_cpu_s(proc: psutil.Process) -> float:
 
 
 def run_once(
-    repo: str, store: str, settings: list[str]
+    repo: str, store: str, settings: list[str], prefect_api: str | None = None
 ) -> tuple[dict[str, float], float, dict[str, float]]:
     """One ``gyre run --preset tiny``: its phases' seconds, its wall time, and its phases'
-    CPU seconds."""
+    CPU seconds. ``prefect_api``: a running Prefect server's API URL (else the run starts
+    its own temporary one)."""
     env = {**os.environ, "PYTHONPATH": repo}
     env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run
+    if prefect_api:  # the user's `prefect server start`, as the README's UI section has it
+        env["PREFECT_API_URL"] = prefect_api
     cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--store", store]
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -170,6 +174,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="one run")
     ap.add_argument("--repo", default=REPO, help="the checkout whose `gyre run` is measured")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument(
+        "--prefect-api",
+        metavar="URL",
+        help="a running Prefect server's API (e.g. http://127.0.0.1:4200/api); default: each "
+        "run starts its own temporary server, as a user's first `gyre run` does",
+    )
     ap.add_argument("settings", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     n = 1 if args.quick else args.runs
@@ -177,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="gyre-smoke-") as tmp:
         for i in range(n):
-            ph, wall, cpu = run_once(os.path.abspath(args.repo), f"{tmp}/store{i}", args.settings)
+            ph, wall, cpu = run_once(
+                os.path.abspath(args.repo), f"{tmp}/store{i}", args.settings, args.prefect_api
+            )
             print(
                 f"run {i + 1}/{n}: {wall:.1f}s, fixed {fixed_share(ph):.0%} (floor on {cores} "
                 f"cores {fixed_share_floor(ph, cpu, cores):.0%}): "
@@ -209,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
         "runs_cpu_s": cpus,
         "repo": os.path.abspath(args.repo),
+        "prefect_api": args.prefect_api,
     }
     if args.json:
         with open(args.json, "w") as f:

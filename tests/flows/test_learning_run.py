@@ -26,7 +26,7 @@ from tasks.env.heldout import EVAL_SEED0
 pytestmark = pytest.mark.integration
 
 
-def test_a_run_evaluates_held_out_tasks_on_pinned_versions(tmp_path, monkeypatch):
+def test_a_run_evaluates_held_out_tasks_on_pinned_versions(tmp_path, monkeypatch, prefect_harness):
     from flows.rl_run import rl_run
 
     monkeypatch.setenv("GYRE_CACHE", str(tmp_path / "cache"))  # the warm start is built here

@@ -21,10 +21,11 @@ CPU seconds per phase are the run's own: its process and every process under it 
 Prefect server, the cells) at each boundary line, and the exit phase from the run's rusage
 once it is reaped. ``smoke_fixed_share_floor`` is the share the fixed phases would have if
 their CPU seconds ran on every core of this host at once, with nothing waiting: the lowest
-share this host allows for the work they do (``fixed CPU / cores`` against the loop's wall). The host is usually
-shared: read the shares, and compare two versions in the same period, alternating them
-(``--repo`` runs another checkout's ``flows.cli``, e.g. a ``git worktree`` of an older
-commit):
+share this host allows for the work they do (``fixed CPU / cores`` against the loop's wall).
+
+The host is usually shared: read the shares, and compare two versions in the same period,
+alternating them (``--repo`` runs another checkout's ``flows.cli``, e.g. a ``git worktree``
+of an older commit; ``--prefect-api`` uses a running Prefect server):
 
     python bench/smoke.py [--quick] [--runs 3] [--repo DIR] [--prefect-api URL] [--json PATH]
                           [key=value ...]

@@ -77,18 +77,25 @@ def _check_exact(recs, eng):
     return full
 
 
-def test_tool_call_then_previous_response_id_extends_exactly(gw, engine):
-    eng, _ = engine
-    sid, key = gw.new_session()
-    client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
-    eng.replies.append(gw.tok.encode(CALL))
+def _weather_call(client: openai.OpenAI, eng, tok):
+    """The scenario's first call: the model calls ``get_weather``; returns that response,
+    its function call and the tool's output item for the next call."""
+    eng.replies.append(tok.encode(CALL))
     r1 = client.responses.create(
         model="gyre", instructions="Be brief.", input="Weather in Paris?", tools=[TOOL]
     )
     (fc,) = [o for o in r1.output if o.type == "function_call"]
+    out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"sky": "sunny"}'}
+    return r1, fc, out
+
+
+def test_tool_call_then_previous_response_id_extends_exactly(gw, engine):
+    eng, _ = engine
+    sid, key = gw.new_session()
+    client = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0)
+    r1, fc, out = _weather_call(client, eng, gw.tok)
     assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris"}
     eng.replies.append(gw.tok.encode("Sunny."))
-    out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"sky": "sunny"}'}
     r2 = client.responses.create(
         model="gyre",
         instructions="Be brief.",
@@ -229,12 +236,7 @@ def test_a_chain_and_get_survive_a_gateway_crash(tmp_path, engine, model_dir):
     gw1 = _start(store, spool, model_dir, url, flush_seconds=3600, flush_records=10**6)
     sid, key = gw1.new_session()
     client = openai.OpenAI(base_url=gw1.openai_base_url, api_key=key, max_retries=0)
-    eng.replies.append(gw1.tok.encode(CALL))
-    r1 = client.responses.create(
-        model="gyre", instructions="Be brief.", input="Weather in Paris?", tools=[TOOL]
-    )
-    (fc,) = [o for o in r1.output if o.type == "function_call"]
-    out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"sky": "sunny"}'}
+    r1, _, out = _weather_call(client, eng, gw1.tok)
     eng.replies.append(gw1.tok.encode("Sunny."))
     events = list(
         client.responses.create(

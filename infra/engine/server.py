@@ -283,6 +283,7 @@ class EngineServer:
             http="httptools",
             loop="uvloop",
             ws="none",
+            log_config=None,  # leave the cell's logging as it is (infra/gateway/server.py)
             log_level="warning",
             access_log=False,
             lifespan="off",

@@ -56,6 +56,11 @@ class ServerThread:
             http="httptools",
             ws="none",
             lifespan="off",
+            # uvicorn's own logging setup (dictConfig) would close every handler of the
+            # process: Prefect's API log handler flushes on close while holding logging's
+            # lock, which its sender needs (a 5 s stall of `gyre run`), and the run's and
+            # Dask's handlers are closed
+            log_config=None,
             log_level="warning",
             access_log=False,
             server_header=False,

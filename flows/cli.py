@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     try:
         # the flow's imports (prefect, torch, ...) overlap the Prefect server's start
-        with bounded_stop(), prefect_api(while_starting=lambda: import_module("flows.rl_run")):
+        with bounded_stop(), prefect_api(while_starting=_import_flow_and_fork_zygote):
             from flows.rl_run import rl_run
 
             summary = rl_run(
@@ -119,6 +119,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     print(f"continue it:  gyre run --resume {rid} --store {summary['store']} train.steps=N")
     return 0
+
+
+def _import_flow_and_fork_zygote() -> None:
+    """While the Prefect server starts: import the flow (prefect, torch, transformers), then
+    fork the process the cells will be forked from (infra/cells/zygote.py)."""
+    from infra.cells.zygote import start_zygote
+
+    rl_run = import_module("flows.rl_run")
+    start_zygote(preload=rl_run.CELL_PRELOAD)
 
 
 def _run_from_served(args: argparse.Namespace) -> int:

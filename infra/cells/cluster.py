@@ -152,6 +152,7 @@ class CellPlugin(WorkerPlugin):
         self.worker_address = worker.address
         self.lock = threading.RLock()
         stop_thread_profiler(worker)
+        torch_threads_from_env()
         if self.preload:  # the engine's and the tasks' imports, while the run sets up
             threading.Thread(
                 target=_preload, args=(self.preload,), name="gyre-preload", daemon=True
@@ -183,6 +184,16 @@ class CellPlugin(WorkerPlugin):
             if self.engine is not None and hasattr(self.engine, "close"):
                 self.engine.close()
             self.engine = None
+
+
+def torch_threads_from_env() -> None:
+    """torch's intra-op thread count from ``OMP_NUM_THREADS``, where torch was imported
+    before the cell's environment was set (a cell forked from the zygote,
+    infra/cells/zygote.py); a fresh interpreter reads it when torch starts."""
+    torch = sys.modules.get("torch")
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and n.isdigit() and int(n) > 0 and torch.get_num_threads() != int(n):
+        torch.set_num_threads(int(n))
 
 
 def _in_worker_process() -> bool:

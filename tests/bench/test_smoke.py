@@ -47,6 +47,7 @@ def test_phases_are_cut_at_the_runs_own_lines():
         "exit": 7.9,
     }
     assert smoke.fixed_share(ph) == pytest.approx(1 - 41.3 / 116.0)
+    assert smoke.startup_share(ph) == pytest.approx((14.6 + 8.9 + 22.7) / 116.0)
     assert "**" in smoke.table([ph, ph])
 
 

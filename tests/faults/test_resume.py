@@ -114,6 +114,9 @@ def test_sigkilled_run_resumes_without_duplicates(tmp_path):
         log,
     )
     orphans = _recorded(first.pid)
+    # the cells are forks of the run's zygote (infra/cells/zygote.py), not fresh interpreters
+    names = sorted(p.name() for p in orphans)
+    assert names.count("gyre-zygote") == 1 and names.count("gyre-cell") >= 2, names
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     # its Prefect server (own session, tied to the run's process) and cells end by themselves

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from prefect import flow
@@ -231,24 +233,11 @@ def _run(
     # cells' engines (generation, weight loads, KV export/import) need it
     token = secrets.token_urlsafe(24)
     host = cfg.cluster.advertise_host
-    with start_cells(
-        n_cells,
-        threads_per_cell=cfg.cluster.threads_per_cell,
-        memory_limit=cfg.cluster.memory_limit,
-        scheduler_address=cfg.cluster.scheduler_address,
-        env=env,
-        rollout_slots=sc.groups_per_cell,
-        harness_slots=sc.groups_per_cell,
-        host=host,
-        token=token,
-        preload=CELL_PRELOAD,
-    ) as cells:
-        record_children()  # if this process is killed, the next `gyre run` stops its cells
-        check_store(cells, st, run_id)  # every cell's host reaches the store (or is named)
-        if cells.dashboard_link:
-            logger.info("Dask dashboard: %s", cells.dashboard_link)
-        # the write-ahead log of answered calls lives where a later process can replay it
-        gateway = Gateway(
+    # the gateway is made while the cells start (its tokenizer: a second of transformers'
+    # imports); its write-ahead log lives where a later process can replay it
+    with (
+        _made_meanwhile(
+            Gateway,
             st,
             run_id=run_id,
             tokenizer_dir=model_dir,
@@ -257,7 +246,25 @@ def _run(
             host=host,
             port=cfg.gateway.port,
             spool_dir=str(spool),
-        )
+        ) as made_gateway,
+        start_cells(
+            n_cells,
+            threads_per_cell=cfg.cluster.threads_per_cell,
+            memory_limit=cfg.cluster.memory_limit,
+            scheduler_address=cfg.cluster.scheduler_address,
+            env=env,
+            rollout_slots=sc.groups_per_cell,
+            harness_slots=sc.groups_per_cell,
+            host=host,
+            token=token,
+            preload=CELL_PRELOAD,
+        ) as cells,
+    ):
+        record_children()  # if this process is killed, the next `gyre run` stops its cells
+        check_store(cells, st, run_id)  # every cell's host reaches the store (or is named)
+        if cells.dashboard_link:
+            logger.info("Dask dashboard: %s", cells.dashboard_link)
+        gateway = made_gateway()
         gateway.start()
         logger.info("cells and gateway up in %.1fs", time.monotonic() - t0)
         try:
@@ -289,6 +296,28 @@ def _run(
     forget()  # nothing of this run is left to reap
     logger.info("summary: %s", {k: rounded(v) for k, v in summary.items()})
     return summary
+
+
+@contextmanager
+def _made_meanwhile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[Callable]:
+    """``fn(*args, **kwargs)`` runs in a thread of its own while the block runs; the block
+    takes the result by calling what this yields. If the block fails before it takes it,
+    the result is closed once it is made (a gateway: its write-ahead log, its files)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"gyre-{fn.__name__}")
+    made = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    taken: list = []
+
+    def take() -> Any:
+        taken.append(made.result())
+        return taken[0]
+
+    try:
+        yield take
+    except BaseException:
+        if not taken:
+            made.add_done_callback(lambda f: f.exception() is None and f.result().close())
+        raise
 
 
 def _summary(loop: dict, st: Store, run_id: str, mode: str, seconds: float) -> dict[str, Any]:

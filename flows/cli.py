@@ -122,11 +122,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _import_flow_and_fork_zygote() -> None:
-    """While the Prefect server starts: import the flow (prefect, torch, transformers), then
-    fork the process the cells will be forked from (infra/cells/zygote.py)."""
+    """While the Prefect server starts: import the flow (prefect, torch, transformers) and
+    what both this process and the cells use, then fork the process the cells will be
+    forked from (infra/cells/zygote.py), which imports what only the cells use."""
     from infra.cells.zygote import start_zygote
 
     rl_run = import_module("flows.rl_run")
+    for name in rl_run.SHARED_PRELOAD:
+        import_module(name)
     start_zygote(preload=rl_run.CELL_PRELOAD)
 
 

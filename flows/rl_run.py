@@ -51,8 +51,13 @@ log = logging.getLogger(__name__)
 
 Preset = Literal.__getitem__(tuple(sorted(PRESETS)))  # a choice in the Run form
 
+# what this process and every cell both use (the gateway's tokenizer and each engine's):
+# `gyre run` imports it before it forks the cells' zygote (infra/cells/zygote.py), once for all
+SHARED_PRELOAD = ("transformers.models.auto.tokenization_auto",)
+
 # what a cell imports in the background as soon as it starts, while this process sets up
-# the gateway and the scheduling flow: the engine (torch, transformers) and the tasks' modules
+# the gateway and the scheduling flow: the engine (torch, transformers) and the tasks'
+# modules; under `gyre run`, the zygote the cells are forked from imports them instead
 CELL_PRELOAD = (
     "transformers.modeling_utils",
     "infra.engine.engine",

@@ -82,3 +82,16 @@ def test_tree_cpu_counts_the_processes_under_the_run():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_loop_is_what_the_flow_times_and_its_report_is_shut_down():
+    """The schedule flow writes its report before it prints its line: those seconds are
+    fixed work, not the loop's."""
+    lines = [(t, s.replace("2 steps in 41.3s", "2 steps in 39.8s")) for t, s in LINES]
+    ph = smoke.loop_as_timed(smoke.phases(lines, end_s=116.0), lines)
+    assert ph["loop"] == 39.8
+    assert ph["report_summary_teardown"] == pytest.approx(20.6 + 1.5)
+    assert sum(ph.values()) == pytest.approx(116.0)
+    # a printed time longer than the phase (clocks apart) changes nothing
+    longer = [(t, s.replace("2 steps in 41.3s", "2 steps in 45.0s")) for t, s in LINES]
+    assert smoke.loop_as_timed(smoke.phases(longer, 116.0), longer)["loop"] == 41.3

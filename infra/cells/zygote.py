@@ -44,6 +44,8 @@ import socket
 import sys
 import threading
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15
@@ -53,18 +55,18 @@ _zygote: dict[str, int | None] = {"pid": None}
 
 
 def zygote_pid() -> int | None:
-    """The pid of this process's zygote while it runs, else None."""
+    """The pid of this process's zygote while it runs, else None. (It does not reap an
+    ended zygote: multiprocessing's fork server does, before it starts a fresh one.)"""
     pid = _zygote["pid"]
     if pid is None:
         return None
     try:
-        ended, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        ended = pid
-    if ended:
-        _zygote["pid"] = None
-        return None
-    return pid
+        if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            return pid
+    except psutil.Error:
+        pass
+    _zygote["pid"] = None
+    return None
 
 
 def start_zygote(preload: tuple[str, ...] = ()) -> int | None:
@@ -100,7 +102,14 @@ def start_zygote(preload: tuple[str, ...] = ()) -> int | None:
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
         with contextlib.suppress(Exception):
             stream.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # out of processes or memory: the cells are spawned
+        log.warning("could not fork the cells' zygote (%s); cells start as new processes", exc)
+        for fd in (alive_r, alive_w):
+            os.close(fd)
+        listener.close()
+        return None
     if pid == 0:
         code = 1
         try:

@@ -28,8 +28,10 @@ What a fork shares that a fresh interpreter would not, and how each is handled:
 Only the fork server's own three fields (address, "alive" pipe, pid) are set here, as
 ``multiprocessing.forkserver.ForkServer.ensure_running`` sets them for a server it spawns.
 Where that cannot be done (not Linux, a second thread already running, a Python whose fork
-server differs) `start_zygote` returns None and the cells start with ``spawn`` as before;
-if the zygote dies, multiprocessing starts a fresh fork server on the next cell start.
+server differs) `start_zygote` returns None and the cells start with ``spawn`` as before.
+If the zygote dies mid-run, every nanny sees its cell as ended (the cell's status pipe
+closes with the zygote) and starts it again through a fresh fork server that
+multiprocessing launches: the run heals them as lost cells.
 """
 
 from __future__ import annotations

@@ -86,7 +86,23 @@ SCRIPT = textwrap.dedent(
                     break
                 time.sleep(0.2)
             out["after_kill"] = list(now.values())
-        out["zygote_alive_after_cells"] = zygote_pid() is not None
+            out["zygote_alive_after_cells"] = zygote_pid() is not None
+            # the zygote itself dies: a killed cell's restart goes through a fresh fork server
+            os.kill(zpid, signal.SIGKILL)
+            while zygote_pid() is not None and time.monotonic() < deadline + 60:
+                time.sleep(0.1)
+            victim2 = sorted(now)[0]
+            os.kill(now[victim2]["pid"], signal.SIGKILL)
+            again = {}
+            while time.monotonic() < deadline + 120:
+                try:
+                    again = cells.client.run(probe)
+                except OSError:
+                    again = {}
+                if len(again) == 2 and now[victim2]["pid"] not in [v["pid"] for v in again.values()]:
+                    break
+                time.sleep(0.2)
+            out["after_zygote_died"] = list(again.values())
         print("RESULT " + json.dumps(out), flush=True)
     """
 )
@@ -130,6 +146,9 @@ def test_cells_are_forks_of_the_zygote_with_their_own_state(tmp_path):
     assert len(out["after_kill"]) == 2
     assert all(c["ppid"] == zygote and c["preloaded"] for c in out["after_kill"])
     assert out["zygote_alive_after_cells"]  # it serves until the run's process ends
+    # with the zygote gone, a killed cell still comes back (from a fresh fork server)
+    assert len(out["after_zygote_died"]) == 2, out["after_zygote_died"]
+    assert zygote not in {c["ppid"] for c in out["after_zygote_died"]}
     # ... and then it ends
     deadline = time.monotonic() + 30
     while psutil.pid_exists(zygote) and time.monotonic() < deadline:
@@ -154,3 +173,42 @@ def test_no_zygote_while_another_thread_runs():
     finally:
         stop.set()
         t.join()
+
+
+DEAD_ZYGOTE = textwrap.dedent(
+    """
+    import os, signal, time
+
+    import psutil
+    from multiprocessing import forkserver
+
+    from infra.cells.zygote import start_zygote, zygote_pid
+
+    if __name__ == "__main__":
+        zpid = start_zygote(())
+        os.kill(zpid, signal.SIGKILL)
+        while psutil.Process(zpid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        assert zygote_pid() is None
+        # multiprocessing waits on its fork server's pid before starting a fresh one: the
+        # zombie must still be there for it to reap
+        forkserver.ensure_running()
+        fresh = forkserver._forkserver._forkserver_pid
+        assert fresh not in (None, zpid), fresh
+        print("RESULT fresh", flush=True)
+    """
+)
+
+
+def test_a_dead_zygote_gives_way_to_a_fresh_fork_server(tmp_path):
+    """If the zygote dies (the OOM killer, a stray kill), the next cell (re)start goes
+    through a fresh fork server; every cell's nanny also sees its cell as ended (its status
+    pipe closed with the zygote) and starts it again, as a run heals lost cells."""
+    script = tmp_path / "dead_zygote.py"
+    script.write_text(DEAD_ZYGOTE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "RESULT fresh" in proc.stdout, proc.stderr[-3000:]

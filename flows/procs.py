@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import logging
@@ -38,13 +37,13 @@ from pathlib import Path
 
 import psutil
 
+from infra.cells.zygote import die_with_parent
 from storage.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 STOP_BOUND_S = 60.0  # from the first Ctrl-C to exit, at most (then everything is killed)
 SERVER_START_TIMEOUT_S = 180.0  # Prefect's first start migrates its database (~20 s)
-_PR_SET_PDEATHSIG = 1
 
 
 def _records_dir() -> Path:
@@ -132,12 +131,6 @@ def kill_children() -> None:
 # -- the temporary Prefect server ----------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,7 +182,7 @@ def prefect_api(while_starting: Callable[[], object] | None = None) -> Iterator[
         "--lifespan",
         "on",
     ]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
     print(f"gyre run: temporary Prefect server on {url[:-4]} (pid {proc.pid})", file=sys.stderr)
     try:
         os.environ["PREFECT_API_URL"] = url  # before prefect is imported, if it is here

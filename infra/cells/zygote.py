@@ -148,12 +148,19 @@ def _set_name(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
+def die_with_parent() -> None:
+    """This process gets SIGTERM when its parent dies, even by SIGKILL (Linux; elsewhere
+    nothing). Also `gyre run`'s temporary Prefect server (flows/procs.py) calls it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _become_zygote(preload: tuple[str, ...]) -> None:
     """In the forked copy: tied to the run's process, ``preload`` imported, each cell
     forked from here reseeded, and Python's default signal handlers for the cells."""
     _set_name("gyre-zygote")
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the run, while importing
     for name in preload:

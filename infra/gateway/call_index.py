@@ -79,6 +79,18 @@ def chunk_hashes(ids: np.ndarray, start_chunk: int = 0, prev: bytes = b"") -> by
     return b"".join(out)
 
 
+class ChainMemo:
+    """The last chat call's messages and chain keys of one session, so that a call that
+    re-sends the whole conversation hashes only its new messages (O(new), not O(context)).
+
+    ``state`` = (tools, messages, keys), set as one tuple (calls may build in threads);
+    keys[k] names messages[:k]. infra/gateway/chat.py: message_chain reuses a key only while
+    the message is strictly equal to the memoised one (``same_json``)."""
+
+    def __init__(self) -> None:
+        self.state: tuple[list, list[dict], list[bytes]] | None = None
+
+
 class SessionCalls:
     """Every earlier call of one session, delta-encoded, with prefix and message indexes."""
 
@@ -90,6 +102,8 @@ class SessionCalls:
         self._ctx_cap = ctx_cache
         self._heads = np.full((0, CHUNK), -1, dtype=np.int32)  # first CHUNK tokens per call
         self._head_rids: list[str] = []
+        # the chat chain keys of the last call's messages (infra/gateway/chat.py: message_chain)
+        self.chain_memo = ChainMemo()
 
     def __len__(self) -> int:
         return len(self.calls)

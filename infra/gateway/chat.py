@@ -35,12 +35,13 @@ import numpy as np
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, digest
+from infra.gateway.call_index import CHUNK, ChainMemo, ChatInput, SessionCalls, digest
 from infra.gateway.tool_prompt import TemplateTools, ToolsNotShown
 from infra.gateway.wire import ChatMessage, validation_error
 
 __all__ = [
     "CHUNK",
+    "ChainMemo",
     "ChatInput",
     "ChatInputError",
     "ChatTokenizer",
@@ -320,11 +321,46 @@ def _chain(prev: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(prev + data, digest_size=16).digest()
 
 
-def message_chain(messages: list[dict], tools: list | None) -> list[bytes]:
-    """keys[k] names messages[:k] (and the tools): len(messages) + 1 keys."""
-    keys = [_chain(b"tools", _canon(tools or []))]
-    for m in messages:
+def same_json(a: Any, b: Any) -> bool:
+    """a == b with the same types at every node: ``==`` alone takes 1 == 1.0 == True, which
+    canonicalise (and render) differently. Strings are leaves, so the walk costs per node,
+    not per character."""
+    if a != b:
+        return False
+    return _same_types(a, b)
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return all(_same_types(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return all(_same_types(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def message_chain(
+    messages: list[dict], tools: list | None, memo: ChainMemo | None = None
+) -> list[bytes]:
+    """keys[k] names messages[:k] (and the tools): len(messages) + 1 keys. With ``memo``, the
+    keys of the longest strictly equal prefix of the memoised messages are reused, and the
+    memo becomes this call's: an edited earlier message re-hashes from there on (a branch)."""
+    tools = tools or []
+    same = 0
+    got = memo.state if memo is not None else None
+    if got is not None and same_json(got[0], tools):
+        _, old, old_keys = got
+        n = min(len(old), len(messages))
+        while same < n and same_json(old[same], messages[same]):
+            same += 1
+        keys = old_keys[: same + 1]
+    else:
+        keys = [_chain(b"tools", _canon(tools))]
+    for m in messages[same:]:
         keys.append(_chain(keys[-1], message_key(m)))
+    if memo is not None:
+        memo.state = (tools, messages, keys)
     return keys
 
 
@@ -408,7 +444,7 @@ def build_chat_input(
     tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], tools: list | None
 ) -> ChatInput:
     """Token ids for a chat call: extend an earlier call exactly, else template everything."""
-    keys = message_chain(messages, tools)
+    keys = message_chain(messages, tools, calls.chain_memo)
     ids: np.ndarray | None = None
     hint = None
     mode = "branch"

@@ -147,12 +147,23 @@ Thank you! You're welcome. Could you please clarify what you mean? Sure, here is
 ARCHS = ("qwen3", "llama", "qwen2")
 
 
-def _default_dir(seed: int, arch: str = "qwen3") -> Path:
-    return cache_dir() / "models" / f"tiny-{arch}-s{seed}"
+DEFAULT_MAX_POSITIONS = 32768
 
 
-def _is_complete(path: Path, arch: str = "qwen3") -> bool:
-    """Built completely, by this version of the recipe, for `arch` (else it is rebuilt)."""
+def _default_dir(
+    seed: int, arch: str = "qwen3", max_positions: int = DEFAULT_MAX_POSITIONS
+) -> Path:
+    """The cache key names every setting that changes the checkpoint: seed, arch and (when not
+    the default, so existing directories keep their names) ``max_position_embeddings``."""
+    suffix = "" if max_positions == DEFAULT_MAX_POSITIONS else f"-p{max_positions}"
+    return cache_dir() / "models" / f"tiny-{arch}-s{seed}{suffix}"
+
+
+def _is_complete(
+    path: Path, arch: str = "qwen3", max_positions: int = DEFAULT_MAX_POSITIONS
+) -> bool:
+    """Built completely, by this version of the recipe, for `arch` and `max_positions` (else it
+    is rebuilt)."""
     try:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
@@ -161,10 +172,11 @@ def _is_complete(path: Path, arch: str = "qwen3") -> bool:
         isinstance(marker, dict)
         and marker.get("format") == FORMAT_VERSION
         and marker.get("arch", "qwen3") == arch
+        and marker.get("max_position_embeddings", DEFAULT_MAX_POSITIONS) == max_positions
     )
 
 
-def build_tokenizer():
+def build_tokenizer(max_positions: int = DEFAULT_MAX_POSITIONS):
     """Train a deterministic byte-level BPE tokenizer on the bundled corpus.
 
     Returns a `transformers.PreTrainedTokenizerFast` with the special tokens, the chat
@@ -192,7 +204,7 @@ def build_tokenizer():
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START],
         clean_up_tokenization_spaces=False,
-        model_max_length=32768,
+        model_max_length=max_positions,
     )
     # Qwen keeps the tool-call tags as added (non-special) tokens: they survive
     # `skip_special_tokens=True` so the gateway can parse tool calls from decoded text.
@@ -252,8 +264,9 @@ def _init_weights(config, seed: int) -> dict:
     return weights
 
 
-def _config(arch: str, **kw):
-    """The tiny shape in `arch`'s config class (head_dim 16 in each)."""
+def _config(arch: str, max_positions: int = DEFAULT_MAX_POSITIONS, **kw):
+    """The tiny shape in `arch`'s config class (head_dim 16 in each), RoPE over
+    `max_positions` positions (plain RoPE: no scaling, so any length up to it is exact)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     shape = dict(
@@ -262,7 +275,7 @@ def _config(arch: str, **kw):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=32768,
+        max_position_embeddings=int(max_positions),
     )
     if arch == "qwen3":
         return Qwen3Config(head_dim=16, rope_theta=1_000_000.0, **shape, **kw), "Qwen3ForCausalLM"
@@ -273,13 +286,16 @@ def _config(arch: str, **kw):
     raise ValueError(f"arch={arch!r}: use one of {', '.join(ARCHS)}")
 
 
-def _build(out: Path, seed: int, arch: str = "qwen3") -> None:
+def _build(
+    out: Path, seed: int, arch: str = "qwen3", max_positions: int = DEFAULT_MAX_POSITIONS
+) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(max_positions)
     config, architecture = _config(
         arch,
+        max_positions,
         vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -299,35 +315,49 @@ def _build(out: Path, seed: int, arch: str = "qwen3") -> None:
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    marker = {"seed": seed, "format": FORMAT_VERSION, "arch": arch}
+    marker = {
+        "seed": seed,
+        "format": FORMAT_VERSION,
+        "arch": arch,
+        "max_position_embeddings": max_positions,
+    }
     (out / _MARKER).write_text(json.dumps(marker))
 
 
 def make_tiny_model(
-    out_dir: str | os.PathLike | None = None, *, seed: int = 0, arch: str = "qwen3"
+    out_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    arch: str = "qwen3",
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
 ) -> str:
-    """Return a directory holding the tiny checkpoint for `seed` and `arch`, building it if
-    needed.
+    """Return a directory holding the tiny checkpoint for `seed`, `arch` and
+    `max_position_embeddings` (the context it serves; long presets ask for 262144 to 1M+),
+    building it if needed.
 
     Default location: ``$GYRE_CACHE/models/tiny-{arch}-s{seed}`` (GYRE_CACHE defaults to
-    ``~/.cache/gyre``). A complete directory is returned as is. The build happens in a
+    ``~/.cache/gyre``), with ``-p{max_position_embeddings}`` appended when not the default.
+    The weights do not depend on the setting (RoPE has no learned parameters). A complete directory is returned as is. The build happens in a
     temporary sibling directory that is renamed into place, so concurrent callers never see a
     half-written checkpoint (the loser of a race discards its copy).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: use one of {', '.join(ARCHS)}")
-    out = Path(out_dir) if out_dir is not None else _default_dir(seed, arch)
-    if _is_complete(out, arch):
+    mp = int(max_position_embeddings)
+    if mp < 1:
+        raise ValueError(f"max_position_embeddings={mp}: must be >= 1")
+    out = Path(out_dir) if out_dir is not None else _default_dir(seed, arch, mp)
+    if _is_complete(out, arch, mp):
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
     try:
-        _build(tmp, seed, arch)
+        _build(tmp, seed, arch, mp)
         try:
             os.rename(tmp, out)  # atomic; also replaces an empty directory
         except OSError:
-            if _is_complete(out, arch):  # another process won the race
+            if _is_complete(out, arch, mp):  # another process won the race
                 return str(out)
             # `out` exists, is not empty and not complete (e.g. a user-made dir with other
             # files): move the files in, the completion marker last.

@@ -1,0 +1,90 @@
+"""Long-context serving: the tiny model's context is configurable, and one session growing over
+many calls is served token-exact with each call prefilling only its new tokens."""
+
+import pytest
+import torch
+
+from infra.engine.engine import Engine
+from infra.engine.errors import EngineInputError
+from infra.engine.tiny_model import _default_dir, make_tiny_model
+
+
+def ids_of(n, start):
+    return [(start + 13 * i) % 900 + 5 for i in range(n)]
+
+
+def greedy_reference(model, ids, n):
+    """Textbook greedy decoding: a full forward over the whole sequence per token."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(torch.argmax(logits)))
+    return out
+
+
+def test_cache_key_names_the_context_setting():
+    assert _default_dir(0, "qwen3") != _default_dir(0, "qwen3", 262144)
+    assert _default_dir(0, "qwen3", 32768).name == "tiny-qwen3-s0"  # old callers unchanged
+
+
+def test_context_setting_is_what_the_engine_serves(tmp_path):
+    short = make_tiny_model(tmp_path / "short", max_position_embeddings=256)
+    long_ = make_tiny_model(tmp_path / "long", max_position_embeddings=1024)
+    # A directory built for one setting is rebuilt, not reused, for another.
+    assert make_tiny_model(tmp_path / "short", max_position_embeddings=512)
+    eng = Engine(long_)
+    try:
+        assert eng.model_info()["max_context_length"] == 1024
+        res = eng.generate(ids_of(600, 1), {"max_new_tokens": 2, "temperature": 0})
+        assert len(res["output_ids"]) >= 1
+    finally:
+        eng.close()
+    eng = Engine(short)
+    try:
+        with pytest.raises(EngineInputError):
+            eng.generate(ids_of(600, 1), {"max_new_tokens": 2, "temperature": 0})
+    finally:
+        eng.close()
+
+
+def test_growing_session_is_token_exact_and_prefills_only_new_tokens(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_model(tmp_path / "m", max_position_embeddings=65536)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    eng = Engine(d)
+    try:
+        ids: list[int] = []
+        for turn in range(5):
+            new = ids_of(300, turn)
+            ids = ids + new
+            res = eng.generate(ids, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+            out = res["output_ids"]
+            assert out == greedy_reference(ref, ids, 4), f"turn {turn}"
+            cached = res["meta_info"]["cached_tokens"]
+            if turn:  # all but this turn's new tokens came from the radix cache (the last
+                # generated token of the previous turn was never fed, so it has no KV yet)
+                assert cached == len(ids) - len(new) - 1, (turn, cached)
+            ids = ids + out
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_session_past_the_old_32k_limit_is_token_exact(tmp_path):
+    """One session past 32768 positions (the tiny model's old limit), grown in two calls."""
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_model(tmp_path / "m", max_position_embeddings=262144)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    eng = Engine(d, kv_cache_tokens=1 << 20)
+    try:
+        ids = ids_of(33000, 2)
+        out = eng.generate(ids, {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        ids = ids + out["output_ids"] + ids_of(1000, 5)
+        res = eng.generate(ids, {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        assert res["meta_info"]["cached_tokens"] >= 33000
+        assert res["output_ids"] == greedy_reference(ref, ids, 2)
+    finally:
+        eng.close()

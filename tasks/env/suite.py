@@ -80,6 +80,7 @@ BUILTIN_SUITES = {
     "tools": "tasks.env.tools:ToolsSuite",
     "repo": "tasks.env.repo:RepoSuite",
     "story": "tasks.env.story:StorySuite",
+    "logbook": "tasks.env.logbook:LogbookSuite",
 }
 
 

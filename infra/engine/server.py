@@ -28,9 +28,11 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import uvicorn
 from starlette.applications import Starlette
@@ -103,8 +105,49 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class PrefixContexts:
+    """Input + output ids of the latest finished requests (by rid), so that a caller which
+    extends one sends a prefix handle ``{"prefix": {"rid": r, "len": k}}`` plus only the new
+    ``input_ids``: the request's ids are then ``context(r)[:k] + input_ids`` (token-exact).
+    Bounded by ``max_tokens`` (least recently used first out); an unknown handle answers 409
+    ``prefix_unknown`` and the caller re-sends full ids (old-style requests always work)."""
+
+    def __init__(self, max_tokens: int = 1 << 22):
+        self._ctx: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._tokens = 0
+        self._max = max_tokens
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, input_ids: Any, output_ids: Any) -> None:
+        ctx = np.concatenate(
+            [np.asarray(input_ids, dtype=np.int32), np.asarray(output_ids, dtype=np.int32)]
+        )
+        with self._lock:
+            old = self._ctx.pop(rid, None)
+            self._tokens += len(ctx) - (0 if old is None else len(old))
+            self._ctx[rid] = ctx
+            while self._tokens > self._max and len(self._ctx) > 1:
+                _, gone = self._ctx.popitem(last=False)
+                self._tokens -= len(gone)
+
+    def resolve(self, prefix: Any, input_ids: Any) -> list[int] | None:
+        """The full ids of a handle request, or None when the handle is not held."""
+        if not isinstance(prefix, dict) or not isinstance(prefix.get("rid"), str):
+            raise EngineInputError("prefix must be {rid: str, len: int}")
+        k = prefix.get("len")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise EngineInputError("prefix.len must be a non-negative integer")
+        with self._lock:
+            ctx = self._ctx.get(prefix["rid"])
+            if ctx is None or k > len(ctx):
+                return None
+            self._ctx.move_to_end(prefix["rid"])
+        return [*ctx[:k].tolist(), *(input_ids or [])]
+
+
 def build_app(engine: Engine, api_key: str | None = None) -> Any:
     """The Starlette app serving `engine` (behind `RequireKey` when ``api_key`` is given)."""
+    contexts = PrefixContexts()
 
     async def run_blocking(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
@@ -118,12 +161,21 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
             input_ids = engine.tokenizer.encode(body["text"], add_special_tokens=False)
         if input_ids is not None and input_ids and isinstance(input_ids[0], list):
             raise EngineInputError("batched input_ids are not supported: send one request each")
+        if body.get("prefix") is not None:
+            input_ids = contexts.resolve(body["prefix"], input_ids)
+            if input_ids is None:
+                return JSONResponse(
+                    {"error": {"message": "prefix handle not held", "code": "prefix_unknown"}},
+                    status_code=409,
+                )
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
         stream = bool(body.get("stream", False))
 
         def listener(req):  # on the engine thread; a plain request only needs the end
+            if req.finish_reason is not None and body.get("rid") is not None:
+                contexts.put(req.rid, req.input_ids, req.output_ids)
             if stream or req.finish_reason is not None:
                 loop.call_soon_threadsafe(updates.put_nowait, req.finish_reason is not None)
 

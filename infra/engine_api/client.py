@@ -215,7 +215,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
     @staticmethod
-    def _payload(input_ids, sampling_params, rid, return_logprob, stream) -> dict:
+    def _payload(input_ids, sampling_params, rid, return_logprob, stream, prefix=None) -> dict:
         payload = {
             "input_ids": input_ids if isinstance(input_ids, np.ndarray) else list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -224,6 +224,8 @@ class EngineClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        if prefix is not None:  # the embedded engine's prefix handle (infra/engine/server.py)
+            payload["prefix"] = {"rid": prefix[0], "len": int(prefix[1])}
         return payload
 
     async def generate(
@@ -233,9 +235,12 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        prefix: tuple[str, int] | None = None,
     ) -> dict:
-        """POST /generate; returns the response JSON (output_ids, meta_info, text)."""
-        payload = self._payload(input_ids, sampling_params, rid, return_logprob, False)
+        """POST /generate; returns the response JSON (output_ids, meta_info, text). With
+        ``prefix`` = (an earlier rid, k), ``input_ids`` are the ids after that call's first k
+        context tokens (embedded engine only; EngineError status 409 when not held)."""
+        payload = self._payload(input_ids, sampling_params, rid, return_logprob, False, prefix)
         return await self._json("POST", "/generate", payload)
 
     async def generate_stream(

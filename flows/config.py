@@ -158,6 +158,20 @@ _TOOLS_ROLLOUT: dict[str, Any] = {
     "max_attempts": 1,
 }
 
+# the long preset's context: the tiny model's positions (its RoPE) must hold one whole
+# logbook session (~125K tokens with the chat template); set only where the model section
+# has the setting (infra/engine: make_tiny_model(max_position_embeddings=...))
+LONG_POSITIONS = 262_144
+_LONG_MODEL: dict[str, Any] = {
+    # a group's two sessions resident at once (~125K each) plus the radix cache's prefixes
+    "kv_cache_tokens": 2 * LONG_POSITIONS,
+    **(
+        {"max_position_embeddings": LONG_POSITIONS}
+        if "max_position_embeddings" in ModelConfig.model_fields
+        else {}
+    ),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # the smoke test: arithmetic, 2 steps, under a minute on 2 cores (Prefect start included)
     "tiny": {
@@ -223,6 +237,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "train": {"steps": 4, "lr": 3e-4},
         "eval": {"every": 4, "tasks": 4, "timeout_s": 1800.0},
+    },
+    # issue 24: whole long rollouts trained, nothing cut: one logbook session is 200 turns
+    # (one ~570-token log page each) = >= 200 calls on one path, >= 114K tokens of pages;
+    # one try per turn and 4 new tokens a call keep it to the prompt's growth; the trainer
+    # cuts each path into max_tokens_per_micro chunks (issue 24's chunked training)
+    "long": {
+        "model": _LONG_MODEL,
+        "rollout": {
+            "suite": "logbook",
+            "difficulty": 1,
+            "subtasks": 200,
+            "groups_per_step": 1,
+            "group_size": 2,
+            "max_new_tokens": 4,
+            "max_attempts": 1,
+            "max_tool_rounds": 1,
+            "timeout_s": 3600.0,
+        },
+        "train": {"steps": 2, "max_tokens_per_micro": 8192},
+        "eval": {"every": 0},
     },
 }
 

@@ -22,7 +22,9 @@ class RolloutConfig(BaseModel):
     difficulty: int = Field(1, ge=0, le=10, description="the suite's difficulty level")
     groups_per_step: int = Field(1, ge=1, le=4096, description="tasks per step (GRPO groups)")
     group_size: int = Field(4, ge=1, le=1024, description="sessions per task")
-    subtasks: int = Field(3, ge=1, le=32, description="sub-tasks per task (suites that vary it)")
+    subtasks: int = Field(
+        3, ge=1, le=1024, description="sub-tasks per task (suites that vary it; logbook: pages)"
+    )
     max_attempts: int = Field(2, ge=1, description="tries per turn (retries become branches)")
     max_tool_rounds: int = Field(
         0, ge=0, le=1000, description="tool rounds per turn (0 = the suite's own)"

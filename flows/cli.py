@@ -199,7 +199,13 @@ def cmd_sql(args: argparse.Namespace) -> int:
         print(f"gyre sql: --store {args.store!r}: {exc}", file=sys.stderr)
         return 2
     try:
-        print(format_table(query(store, args.query or VIEW_COUNTS), args.format))
+        limits: dict = {}
+        if args.memory_limit is not None:
+            limits["memory_limit"] = args.memory_limit
+        if args.timeout is not None:
+            limits["timeout_s"] = args.timeout if args.timeout > 0 else None
+        table = query(store, args.query or VIEW_COUNTS, **limits)
+        print(format_table(table, args.format))
     except (SqlError, StoreError) as exc:
         print(f"gyre sql: {exc}", file=sys.stderr)
         return 2
@@ -316,6 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("sql", help="read-only DuckDB SQL over the store's views")
     q.add_argument("--store", default=DEFAULT_STORE)
     q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.add_argument(
+        "--memory-limit",
+        help="most memory one query may use, e.g. 512MB, 8GB (default 4GB)",
+    )
+    q.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop a query after this long (default 300; 0: no limit)",
+    )
     q.add_argument("query", nargs="?", help="SQL; without it, row counts of every view")
     q.set_defaults(fn=cmd_sql)
 

@@ -21,11 +21,17 @@ readable place outside the store), so a query larger than memory fails, never sp
 
 A query can put any text in an error (``error('...')``), so an error's text never
 decides what is moved: see `query`.
+
+Limits: a query gets at most ``memory_limit`` of memory (DuckDB's own default is 80% of the
+machine, which starves a run going on beside it) and ``timeout_s`` of wall time (an endless
+recursive CTE is interrupted); either one, when hit, is a ``SqlError`` naming the setting
+and how to raise it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import duckdb
@@ -37,6 +43,9 @@ from storage.transcripts import TEXT_VIEWS
 from storage.transcripts import register as register_text
 
 VIEWS = tuple(SCHEMAS)
+
+DEFAULT_MEMORY_LIMIT = "4GB"  # gyre sql --memory-limit
+DEFAULT_TIMEOUT_S = 300.0  # gyre sql --timeout
 
 
 class SqlError(ValueError):
@@ -53,12 +62,20 @@ def _allowed_roots(store: Store) -> list[str]:
     return [f"{store.protocol}://{root}/", f"{store.protocol}:///{root}/"]
 
 
-def connect(store: Store) -> duckdb.DuckDBPyConnection:
+def connect(store: Store, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per dataset of the store, able to
-    read files under the store's root and nothing else (see the module docstring)."""
+    read files under the store's root and nothing else (see the module docstring), and
+    to use at most ``memory_limit`` (DuckDB's spelling: ``512MB``, ``4GB``)."""
     # no temporary directory: DuckDB's default (./.tmp) would be a readable place
     # outside the store; a query that does not fit in memory fails instead of spilling
-    con = duckdb.connect(":memory:", config={"temp_directory": ""})
+    try:
+        con = duckdb.connect(
+            ":memory:", config={"temp_directory": "", "memory_limit": memory_limit}
+        )
+    except duckdb.Error as exc:
+        raise SqlError(
+            f"--memory-limit {memory_limit!r}: {exc}; use a size such as 512MB or 4GB"
+        ) from exc
     if store.protocol != "file":
         con.register_filesystem(store.fs)
     con.execute("SET allowed_directories = ?", [_allowed_roots(store)])
@@ -84,7 +101,10 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
 
 
 # row count of every view: what `gyre sql` shows without a query
-VIEW_COUNTS = " UNION ALL ".join(f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS)
+# (the text views too: counting them decodes nothing, DuckDB drops the unused text columns)
+VIEW_COUNTS = " UNION ALL ".join(
+    f"SELECT '{v}' AS view, count(*) AS rows FROM {v}" for v in VIEWS + TEXT_VIEWS
+)
 
 
 def check_read_only(sql: str) -> None:
@@ -109,8 +129,17 @@ def check_read_only(sql: str) -> None:
 MAX_QUARANTINES_PER_QUERY = 64
 
 
-def query(store: Store, sql: str) -> pa.Table:
+def query(
+    store: Store,
+    sql: str,
+    *,
+    memory_limit: str = DEFAULT_MEMORY_LIMIT,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> pa.Table:
     """Run one read-only query; returns an Arrow table.
+
+    ``memory_limit`` bounds the query's memory and ``timeout_s`` its wall time (None: no
+    limit); hitting either is a ``SqlError`` that names the setting.
 
     When DuckDB fails on a segment, the store checks that segment itself: it must be one
     of its own (`Store.own_segment`) and fail to decode in full with pyarrow; only then
@@ -122,18 +151,37 @@ def query(store: Store, sql: str) -> pa.Table:
     check_read_only(sql)
     for _ in range(MAX_QUARANTINES_PER_QUERY + 1):
         try:
-            con = connect(store)
+            con = connect(store, memory_limit)
         except duckdb.Error as exc:
             if _quarantine_named_segment(store, exc):
                 continue
             raise SqlError(f"cannot open the store's views: {exc}") from exc
+        timer = None
+        if timeout_s is not None:
+            timer = threading.Timer(timeout_s, con.interrupt)
+            timer.daemon = True
+            timer.start()
         try:
             return con.sql(sql).to_arrow_table()
+        except duckdb.InterruptException as exc:
+            raise SqlError(
+                f"the query ran past the time limit ({timeout_s:g} s) and was stopped; "
+                "narrow it, or raise the limit with --timeout SECONDS"
+            ) from exc
+        except duckdb.OutOfMemoryException as exc:
+            raise SqlError(
+                # DuckDB's own advice (SET ...) is for unlocked connections: its first line only
+                f"the query needs more than the memory limit ({memory_limit}) "
+                f"({str(exc).splitlines()[0]}); narrow it, or raise the limit with "
+                "--memory-limit (e.g. 8GB)"
+            ) from exc
         except duckdb.Error as exc:
             if _quarantine_named_segment(store, exc):
                 continue
             raise SqlError(f"{exc}\nviews: {', '.join(VIEWS + TEXT_VIEWS)}") from exc
         finally:
+            if timer is not None:
+                timer.cancel()
             con.close()
     raise SqlError(f"more than {MAX_QUARANTINES_PER_QUERY} corrupt segments: check {store.url}")
 

@@ -34,12 +34,20 @@ BLOCK = 256
 
 @dataclass
 class Block:
-    """Queries ``[q_lo, q_hi)`` (absolute) see the chain's first ``n_keys`` keys."""
+    """Queries ``[q_lo, q_hi)`` (absolute) see the chain's first ``n_keys`` keys.
+
+    The mask is computed when the block runs (``mask``), never stored: a plan of a long
+    path would otherwise hold n^2/2 bytes of masks."""
 
     q_lo: int
     q_hi: int
     n_keys: int
-    mask: torch.Tensor  # (q_hi - q_lo, n_keys) bool, True = attend
+    diag: int  # query row r sees keys [0, r + diag]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(q_hi - q_lo, n_keys) bool, True = attend."""
+        return torch.ones(self.q_hi - self.q_lo, self.n_keys, dtype=torch.bool).tril(self.diag)
 
 
 @dataclass
@@ -50,6 +58,7 @@ class Chain:
     end: int
     keys: torch.Tensor | None  # (P + L,) long
     blocks: list[Block] = field(default_factory=list)
+    key_range: tuple[int, int] | None = None  # keys == arange(*key_range): slice, no gather
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -66,21 +75,50 @@ class TreePlan:
     """Chains covering ``[0, N)`` in order."""
 
     chains: list[Chain]
-    n_tokens: int
+    n_tokens: int  # keys are tokens [0, n_tokens)
+    q_start: int = 0  # queries are tokens [q_start, n_tokens) (a chunk: ``restrict``)
 
     def to(self, device: torch.device | str) -> TreePlan:
         if torch.device(device).type == "cpu":
             return self
         chains = [
             Chain(
-                c.start,
-                c.end,
-                None if c.keys is None else c.keys.to(device),
-                [Block(b.q_lo, b.q_hi, b.n_keys, b.mask.to(device)) for b in c.blocks],
+                c.start, c.end, None if c.keys is None else c.keys.to(device), c.blocks, c.key_range
             )
             for c in self.chains
         ]
-        return TreePlan(chains, self.n_tokens)
+        return TreePlan(chains, self.n_tokens, self.q_start)
+
+
+def _blocks(q_lo: int, q_hi: int, s: int, depth: int, block: int) -> list[Block]:
+    """Query blocks of chain rows ``[q_lo, q_hi)`` of a chain starting at ``s`` below a path
+    of ``depth`` keys: block ``[lo, hi)`` sees the chain's keys up to ``hi``."""
+    return [
+        Block(lo, min(q_hi, lo + block), depth + min(q_hi, lo + block) - s, depth + lo - s)
+        for lo in range(q_lo, q_hi, block)
+    ]
+
+
+def restrict(tp: TreePlan, a: int, b: int, block: int | None = None) -> TreePlan:
+    """The plan of queries ``[a, b)`` over keys ``[0, b)`` (one chunk of a topological order:
+    every key a query needs precedes it, so it lies in ``[0, b)``)."""
+    block = block or BLOCK
+    chains = []
+    for c in tp.chains:
+        lo, hi = max(c.start, a), min(c.end, b)
+        if lo >= hi:
+            continue
+        if c.keys is None and lo == c.start:
+            chains.append(Chain(lo, hi, None))
+            continue
+        depth = 0 if c.keys is None else len(c.keys) - (c.end - c.start)
+        if c.keys is None:
+            keys, kr = torch.arange(c.start, hi), (c.start, hi)
+        else:
+            keys = c.keys[: depth + hi - c.start]
+            kr = None if c.key_range is None else (c.key_range[0], hi)
+        chains.append(Chain(lo, hi, keys, _blocks(lo, hi, c.start, depth, block), kr))
+    return TreePlan(chains, b, a)
 
 
 def plan(parent_idx: np.ndarray, block: int | None = None) -> TreePlan:
@@ -109,13 +147,9 @@ def plan(parent_idx: np.ndarray, block: int | None = None) -> TreePlan:
             continue
         depth = len(path)
         keys = torch.from_numpy(np.concatenate([path, np.arange(s, e)]))
-        blocks = []
-        for lo in range(s, e, block):
-            hi = min(e, lo + block)
-            n_keys = depth + hi - s
-            mask = torch.ones(hi - lo, n_keys, dtype=torch.bool).tril(diagonal=depth + lo - s)
-            blocks.append(Block(lo, hi, n_keys, mask))
-        chains.append(Chain(s, e, keys, blocks))
+        contiguous = bool(path[-1] == s - 1 and path[-1] - path[0] == depth - 1)
+        kr = (int(path[0]), e) if contiguous else None
+        chains.append(Chain(s, e, keys, _blocks(s, e, s, depth, block), kr))
     return TreePlan(chains, n)
 
 
@@ -130,25 +164,30 @@ def tree_attention_forward(
     tree_plan: TreePlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query (1, H, N, D), key/value (1, Hkv, N, D)
-    -> (1, N, H, D). Falls back to SDPA when no ``tree_plan`` is given."""
+    """transformers attention function: query (1, H, N - q_start, D), key/value
+    (1, Hkv, N, D) -> (1, N - q_start, H, D). Falls back to SDPA when no ``tree_plan`` is given."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if tree_plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if query.shape[0] != 1 or query.shape[2] != tree_plan.n_tokens:
+    q0 = tree_plan.q_start
+    if (
+        query.shape[0] != 1
+        or query.shape[2] != tree_plan.n_tokens - q0
+        or key.shape[2] != tree_plan.n_tokens
+    ):
         raise ValueError(
-            f"tree attention takes one packed sequence of {tree_plan.n_tokens} tokens, "
-            f"got query of shape {tuple(query.shape)}"
+            f"tree attention takes queries [{q0}, {tree_plan.n_tokens}) over keys "
+            f"[0, {tree_plan.n_tokens}), got query {tuple(query.shape)}, key {tuple(key.shape)}"
         )
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for c in tree_plan.chains:
         if c.keys is None:
             o = F.scaled_dot_product_attention(
-                query[:, :, c.start : c.end],
+                query[:, :, c.start - q0 : c.end - q0],
                 key[:, :, c.start : c.end],
                 value[:, :, c.start : c.end],
                 dropout_p=dropout,
@@ -158,13 +197,18 @@ def tree_attention_forward(
             )
             outs.append(o)
             continue
-        k, v = key.index_select(2, c.keys), value.index_select(2, c.keys)  # (1, Hkv, P + L, D)
+        if c.key_range is not None:
+            k0, k1 = c.key_range
+            k, v = key[:, :, k0:k1], value[:, :, k0:k1]  # (1, Hkv, P + L, D), views
+        else:
+            keys = c.keys.to(key.device)
+            k, v = key.index_select(2, keys), value.index_select(2, keys)
         for b in c.blocks:
             o = F.scaled_dot_product_attention(
-                query[:, :, b.q_lo : b.q_hi],
+                query[:, :, b.q_lo - q0 : b.q_hi - q0],
                 k[:, :, : b.n_keys],
                 v[:, :, : b.n_keys],
-                attn_mask=b.mask,
+                attn_mask=b.mask.to(query.device),
                 dropout_p=dropout,
                 scale=scaling,
                 enable_gqa=gqa,

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tasks.train import losses, tree_attention
+from tasks.train.chunked import chunked_token_stats
 from tasks.train.logprobs import SamplingDist, token_logprobs
 from tasks.train.packing import Packed, ancestor_mask, pack
 from tasks.trajectory.sampler import Sample
@@ -304,7 +305,10 @@ def tree_loss_and_grads(
 ) -> dict[str, float]:
     """Tree-packed loss over ``samples``, gradients accumulated into ``model`` (no step).
 
-    Tokens with a policy version below ``min_version`` use truncated IS. Log-probs are
+    A micro-batch longer than ``max_tokens`` (a sample with a path deeper than it) runs in
+    chunks of ``max_tokens`` tokens with per-chunk checkpointing (tasks/train/chunked.py):
+    exact, memory linear in its length. Tokens with a policy version below ``min_version``
+    use truncated IS. Log-probs are
     those of ``dist`` (the rollouts' sampling processing). ``ref_model`` (frozen) is the
     reference of the KL term (needed when ``cfg.kl_coef > 0``). Returns plain metrics:
     loss, pg_loss, tokens (forwarded), trainable_tokens (with a loss term), micro_batches,
@@ -323,6 +327,18 @@ def tree_loss_and_grads(
             continue
 
         def stats(m, need_entropy, p=p, sel=sel):
+            if p.n_tokens > max_tokens:  # a path deeper than the budget: chunk by chunk
+                return chunked_token_stats(
+                    m,
+                    p.token_ids,
+                    p.positions,
+                    p.parent_idx,
+                    sel,
+                    max_tokens,
+                    device,
+                    dist,
+                    entropy=need_entropy,
+                )
             return packed_token_stats(m, p, sel, device, attention, dist, entropy=need_entropy)
 
         terms.add(

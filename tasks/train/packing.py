@@ -202,11 +202,20 @@ def collate(pieces: Sequence[Sample]) -> Packed:
     )
 
 
+def _pieces(sample: Sample, max_tokens: int) -> list[Sample]:
+    """``partition``, or the whole sample when one of its paths is deeper than the budget."""
+    if int(sample.positions.max()) + 1 > max_tokens:
+        return [sample]
+    return partition(sample, max_tokens)
+
+
 def pack(samples: Sequence[Sample], max_tokens: int) -> list[Packed]:
     """Micro-batches of at most ``max_tokens`` tokens: big samples partitioned, then
-    all pieces placed first-fit decreasing."""
+    all pieces placed first-fit decreasing. A sample with a path deeper than ``max_tokens``
+    cannot be partitioned: it becomes a micro-batch of its own, longer than ``max_tokens``,
+    which the trainer runs in chunks of ``max_tokens`` (tasks/train/chunked.py)."""
     if max_tokens < 1:
         raise PackingError(f"max_tokens_per_micro={max_tokens} must be >= 1")
-    pieces = [p for s in samples if s.n_tokens for p in partition(s, max_tokens)]
+    pieces = [p for s in samples if s.n_tokens for p in _pieces(s, max_tokens)]
     bins = first_fit_decreasing([p.n_tokens for p in pieces], max_tokens)
     return [collate([pieces[i] for i in sorted(b)]) for b in bins]

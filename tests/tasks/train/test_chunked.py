@@ -101,3 +101,43 @@ def test_chunk_boundary_at_branch_point():
     assert abs(float(l0 - l1)) <= 1e-12
     for k in g0:
         assert torch.max(torch.abs(g0[k] - g1[k])) <= 1e-12, k
+
+
+@pytest.fixture(scope="module")
+def qwen3_dirs(tmp_path_factory):
+    from tests.tasks.train.test_exactness import _save_model
+
+    d = tmp_path_factory.mktemp("chunked-qwen3")
+    return _save_model(d / "policy", 0, "qwen3"), _save_model(d / "reference", 1, "qwen3")
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5, 6])
+def test_trainer_trains_paths_deeper_than_the_budget_exactly(seed, qwen3_dirs):
+    """The real Trainer path (build_trees -> build_samples -> Trainer.loss_and_grads) with
+    max_tokens_per_micro below the deepest path (staleness, normaliser, KL, entropy as the
+    random case draws them) == test_exactness's textbook flat reference, fp64."""
+    from tests.tasks.train.test_exactness import (
+        contexts,
+        load,
+        make_case,
+        project_loss,
+        reference_loss,
+    )
+
+    c = make_case(seed)
+    depth = max(len(p[0]) for p in contexts(c.records, c.spans).values())
+    c.max_tokens = max(3, depth // 3)  # the old packer raised PackingError here
+    policy_dir, ref_dir = qwen3_dirs
+    m, grads, samples = project_loss(c, policy_dir, ref_dir)
+    assert any(int(s.positions.max()) + 1 > c.max_tokens for s in samples)
+    model, ref_model = load(policy_dir), load(ref_dir)
+    loss, stats = reference_loss(c, model, ref_model)
+    if loss.requires_grad:
+        loss.backward()
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert abs(m["loss"] - float(loss.detach())) <= 1e-12, (m["loss"], float(loss), stats)
+    assert grads.keys() == ref.keys()
+    for k in ref:
+        assert float((grads[k] - ref[k]).abs().max()) <= 1e-12 * max(
+            1.0, float(ref[k].abs().max())
+        ), k

@@ -250,9 +250,11 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        prefix: tuple[str, int] | None = None,
     ) -> AsyncIterator[dict]:
-        """POST /generate with stream: yields each SSE chunk dict (cumulative), last one final."""
-        body = _dumps(self._payload(input_ids, sampling_params, rid, return_logprob, True))
+        """POST /generate with stream: yields each SSE chunk dict (cumulative), last one final
+        (``prefix`` as in `generate`)."""
+        body = _dumps(self._payload(input_ids, sampling_params, rid, return_logprob, True, prefix))
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
                 async with aclosing(self._http.stream("POST", "/generate", body)) as parts:

@@ -84,7 +84,14 @@ class GatewayCore:
         self._keys_fh = open(self._keys_path, "ab")  # noqa: SIM115  (append-only journal)
         self.router = Router(engine_transport, engine_token)
         self.pipeline = CallPipeline(self)
-        self.counters = {"calls": 0, "errors": 0, "tokens_in": 0, "tokens_out": 0, "retries": 0}
+        self.counters = {
+            "calls": 0,
+            "errors": 0,
+            "tokens_in": 0,
+            "tokens_out": 0,
+            "retries": 0,
+            "prefix_handles": 0,
+        }
 
     def close(self, *, flush: bool = True) -> None:
         """``flush=False`` leaves unflushed records in the WAL (as a crash would); a new

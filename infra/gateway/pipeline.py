@@ -253,6 +253,7 @@ class CallPipeline:
         lps: list[float] = []
         version: int | None = None
         cached: int | None = None
+        handle_ok = True  # cleared when the engine does not hold the handle (409)
         for attempt in range(MAX_ATTEMPTS):
             h = await self.cell_for(s)
             erid = rid if attempt == 0 else f"{rid}-{attempt}"
@@ -260,18 +261,26 @@ class CallPipeline:
             ids = np.concatenate([input_ids, np.asarray(out, np.int32)]) if out else input_ids
             h.inflight[erid] = time.time()
             s.inflight += 1
+            prefix: tuple[str, int] | None = None
             try:
                 client = await gw.router.client(h)
+                send, prefix = ids, self._handle(call, h) if handle_ok else None
+                if prefix is not None:  # the engine holds the prefix: send only the rest
+                    send = ids[prefix[1] :]
+                    gw.counters["prefix_handles"] += 1
                 if on_tokens is None:
-                    resp = await client.generate(ids, sp, rid=erid)
+                    resp = await client.generate(send, sp, rid=erid, prefix=prefix)
                 else:
                     resp = None
-                    async for chunk in client.generate_stream(ids, sp, rid=erid):
+                    async for chunk in client.generate_stream(send, sp, rid=erid, prefix=prefix):
                         resp = chunk
                         on_tokens(out + chunk["output_ids"], lps + _lps(chunk))
                     if resp is None:
                         raise EngineError("stream ended without a response", url=h.base_url)
             except EngineError as exc:
+                if exc.status == 409 and prefix is not None:  # evicted there: full ids
+                    handle_ok = False
+                    continue
                 h.errors += 1
                 if exc.status is not None and 400 <= exc.status < 500:
                     raise ApiError(
@@ -304,12 +313,34 @@ class CallPipeline:
                 gw.counters["retries"] += 1  # drained or paused: resubmit prefix + partial
                 continue
             v = version if version is not None else -1
+            self._held(s, rid, h.cell_id, erid)
             return GenResult(out, lps, finish, v, cached or 0, h.cell_id, t0, time.time())
         raise ApiError(
             503,
             f"no engine could finish the call after {MAX_ATTEMPTS} attempts",
             type="service_unavailable",
         )
+
+    @staticmethod
+    def _handle(call: Call, h) -> tuple[str, int] | None:
+        """(engine rid, k) when ``h`` holds a context starting with this call's first k ids:
+        its parent's context, generated there in one engine request's ids + output (a stop
+        trim only shortens the parent's recorded context, so it stays a prefix of it)."""
+        inp = call.inp
+        if not h.prefix_handles or inp.parent_request_id is None or inp.prefix_len <= 0:
+            return None
+        got = call.session.engine_rids.get(inp.parent_request_id)
+        if got is None or got[0] != h.cell_id:
+            return None
+        return got[1], inp.prefix_len
+
+    @staticmethod
+    def _held(s: Session, rid: str, cell_id: str, erid: str, keep: int = 8) -> None:
+        """Remember that ``cell_id`` holds call ``rid``'s context as engine rid ``erid``."""
+        s.engine_rids.pop(rid, None)
+        s.engine_rids[rid] = (cell_id, erid)
+        while len(s.engine_rids) > keep:
+            s.engine_rids.pop(next(iter(s.engine_rids)))
 
     async def cell_for(self, s: Session):
         """The session's cell; with none serving (the only rollout cell was lost, or moved

@@ -39,6 +39,9 @@ class EngineHandle:
     max_context: int | None = None
     vocab_size: int | None = None
     kv_supported: bool | None = None  # None: not probed yet
+    # the embedded engine holds finished contexts by rid: a call may send a prefix handle
+    # plus its new ids (infra/engine/server.py: PrefixContexts); SGLang gets full ids
+    prefix_handles: bool = False
     added_at: float = field(default_factory=time.time)
 
     def load(self) -> tuple[int, int]:
@@ -85,6 +88,11 @@ class Router:
             info = await h.client.model_info()
             h.max_context = int(info.get("max_context_length") or info.get("context_length") or 0)
             h.vocab_size = int(info.get("vocab_size") or 0) or None
+            try:
+                version = str((await h.client.server_info()).get("version") or "")
+            except Exception:  # an engine without /get_server_info: full ids, as always
+                version = ""
+            h.prefix_handles = version.startswith("gyre-embedded")
         return h.client
 
     def active(self) -> list[EngineHandle]:

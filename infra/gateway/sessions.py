@@ -38,6 +38,9 @@ class Session:
     cell_id: str | None = None
     last_request_id: str | None = None  # latest finished call (its context is the KV to move)
     inflight: int = 0
+    # call rid -> (cell id, engine rid) whose engine-held context starts with the call's
+    # context: the prefix handle of the next call on that cell (infra/gateway/pipeline.py)
+    engine_rids: dict[str, tuple[str, str]] = field(default_factory=dict)
     unrecorded: int = 0  # calls generated whose TITO record is not written yet
     tokens: int = 0  # unique tokens so far (new input + output of every call)
     # Responses API: response id -> (previous response id, messages it added, the response

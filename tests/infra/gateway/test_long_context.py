@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import hashlib
 
+import openai
 import orjson
+import pytest
 
+from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.call_index import ChainMemo
 from infra.gateway.chat import message_chain
+from infra.gateway.gateway import Gateway
+from storage.store import Store
+from storage.tito import reconstruct_inputs
+from storage.tito_log import table_to_records
+from tests.infra.gateway.fixtures import ScriptedEngine, exact_records, serving
 
 
 def _reference(messages: list[dict], tools: list | None) -> list[bytes]:
@@ -61,3 +69,56 @@ def test_incremental_chain_equals_the_full_chain_over_a_long_session_with_branch
     )
     short = [{"role": "user", "content": "again"}]
     assert message_chain(short, None, memo) == _reference(short, None)
+
+
+@pytest.fixture(scope="module")
+def served():
+    model_dir = make_tiny_model()
+    eng = ScriptedEngine(model_dir, cell_id="a")
+    with serving({"a": eng}) as urls:
+        yield model_dir, eng, urls["a"]
+
+
+@pytest.mark.integration
+def test_long_session_through_prefix_handles_is_token_exact_and_branches(tmp_path, served):
+    """40 chat calls, each re-sending the whole conversation: the engine gets a prefix handle
+    plus the new ids (yet receives exactly the ids TITO rebuilds); an edited earlier message
+    and a context reset are branches, still exact."""
+    model_dir, eng, url = served
+    gw = Gateway(
+        Store(str(tmp_path / "store")),
+        run_id="run-t",
+        tokenizer_dir=model_dir,
+        spool_dir=str(tmp_path / "spool"),
+    )
+    gw.add_engine("a", url)
+    gw.start()
+    try:
+        sid, key = gw.new_session()
+        cl = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=60)
+        msgs: list[dict] = [{"role": "system", "content": "be brief"}]
+        n = 40
+        for i in range(n):
+            msgs.append({"role": "user", "content": f"step {i}: " + "word " * 20})
+            r = cl.chat.completions.create(model=gw.model_name, messages=msgs, max_tokens=4)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        recs = exact_records(gw, sid, eng)
+        assert len(recs) == n
+        assert gw.counters["prefix_handles"] >= n - 1
+        edited = [dict(m) for m in msgs]
+        edited[3] = {**edited[3], "content": "changed"}
+        cl.chat.completions.create(model=gw.model_name, messages=edited[:-1], max_tokens=4)
+        cl.chat.completions.create(model=gw.model_name, messages=msgs[:2], max_tokens=4)
+        gw.flush()
+        recs = sorted(
+            (r for r in table_to_records(gw.store.read("tito")) if r.session_id == sid),
+            key=lambda r: r.seq_no,
+        )
+        full = reconstruct_inputs(recs)
+        for r in recs:
+            assert full[r.request_id].tolist() == eng.received[r.request_id]
+        branch, reset = recs[-2], recs[-1]
+        assert branch.prefix_len < len(full[recs[-3].request_id])  # shares only up to the edit
+        assert reset.prefix_len < len(full[recs[1].request_id])
+    finally:
+        gw.stop()

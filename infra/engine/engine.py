@@ -458,9 +458,16 @@ class Engine:
             "max_batch_size": self.max_batch_size,
             "kv_cache_tokens": self.kv_budget,
             "kv_tokens_budget": self.kv_budget,
+            "kv_bytes_per_token": self.kv_bytes_per_token(),
             "cell_id": self.cell_id,
             "engine": "gyre-embedded",
         }
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one cached token holds: layers x (key, value) x kv heads x head dim x
+        element size (the tiny model: 2 x 2 x 2 x 16 x 4 B = 512 B; 1M tokens = 512 MB)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
     def load(self) -> dict:
         """Queue depths and cache use, for routing and tests."""
@@ -472,6 +479,7 @@ class Engine:
                 "kv_tokens_used": self._kv_used,
                 "kv_tokens_peak": self._kv_peak,
                 "kv_tokens_budget": self.kv_budget,
+                "kv_bytes_per_token": self.kv_bytes_per_token(),
                 "paused": self._paused,
                 **self.stats,
             }

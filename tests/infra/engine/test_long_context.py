@@ -35,7 +35,10 @@ def test_context_setting_is_what_the_engine_serves(tmp_path):
     assert make_tiny_model(tmp_path / "short", max_position_embeddings=512)
     eng = Engine(long_)
     try:
-        assert eng.model_info()["max_context_length"] == 1024
+        info = eng.model_info()
+        assert info["max_context_length"] == 1024
+        # layers 2 x (k, v) x kv heads 2 x head dim 16 x fp32 4 B, counted by hand
+        assert info["kv_bytes_per_token"] == eng.load()["kv_bytes_per_token"] == 512
         res = eng.generate(ids_of(600, 1), {"max_new_tokens": 2, "temperature": 0})
         assert len(res["output_ids"]) >= 1
     finally:

@@ -371,3 +371,17 @@ def pace(started: float, seconds: float) -> float:
         time.sleep(left)
         return left
     return 0.0
+
+
+def shard_with_context_parallel(
+    sizes: Sequence[int], world: int, budget: int
+) -> tuple[list[int], list[list[int]]]:
+    """Items longer than one member's ``budget`` (tokens) go context parallel, the rest shard.
+
+    Returns (the long items, in order, each trained by all ``world`` members together as
+    slices of one sequence: tasks/train/context_parallel.py; the others' indices per member,
+    as ``shard``). Deterministic, so every member computes the same plan."""
+    long = [i for i, s in enumerate(sizes) if s > budget]
+    rest = [i for i, s in enumerate(sizes) if s <= budget]
+    parts = shard([sizes[i] for i in rest], world)
+    return long, [[rest[j] for j in p] for p in parts]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tasks.train import context_parallel as cp
+from tasks.train import dp
 from tests.models import micro_config
 
 VOCAB = 64
@@ -140,3 +141,11 @@ def test_three_members_equal_one(tmp_path):
     tree = _tree(3, 90)
     (got,) = _run_cp(tmp_path, 3, [torch.float64], tree)
     _check(torch.float64, got, _reference(torch.float64, *tree))
+
+
+def test_long_items_go_context_parallel_the_rest_shard():
+    sizes = [10, 5000, 30, 20, 9000, 40]
+    long, parts = dp.shard_with_context_parallel(sizes, 2, budget=4096)
+    assert long == [1, 4]
+    assert sorted(i for p in parts for i in p) == [0, 2, 3, 5]
+    assert [sum(sizes[i] for i in p) for p in parts] == [50, 50]

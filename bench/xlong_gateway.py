@@ -1,0 +1,100 @@
+"""xLong gateway bench: one chat session of many calls growing ~2K tokens a call through the
+real gateway (fsync on) on bench/gateway.py's stub engine; per-call gateway CPU, body bytes
+and orjson's parse of the body (the protocol's floor) at points along the session.
+
+    .venv/bin/python bench/xlong_gateway.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import gateway as gwb  # noqa: E402  (the stub engine, processes, admin calls)
+
+WORDS = 1000  # ~2K tokens of user text per call
+# bench/gateway.py's stub engine advertises max_context_length 32768 (its _serve_stub): until
+# it advertises more, the session stops below that, and the "1m" figures are the last call's
+STUB_MAX_CONTEXT = 32768
+
+
+def measure(quick: bool) -> dict:
+    """Drive one growing session; curves keyed by context tokens at each measured call."""
+    import httpx
+    import orjson
+
+    from infra.engine.tiny_model import make_tiny_model
+
+    calls = 50 if quick else 500
+    words = 250 if quick else WORDS
+    model = make_tiny_model()
+    procs = gwb._Procs(model)
+    try:
+        stub_url, _ = procs.spawn("--serve-stub")
+        url, _ = procs.gateway("xlong", stub_url)
+        key = gwb._keys(url, 1)[0]
+        cl = httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=120)
+        msgs: list[dict] = [{"role": "system", "content": "You are a terse agent."}]
+        curve = []
+        for i in range(calls):
+            if curve and curve[-1]["tokens"] + 3 * words + 64 > STUB_MAX_CONTEXT:
+                break
+            msgs.append({"role": "user", "content": f"page {i}: " + "log line " * words})
+            body = orjson.dumps({"model": "gyre", "messages": msgs, "max_tokens": 8})
+            t0 = time.perf_counter()
+            orjson.loads(body)
+            parse_ms = 1e3 * (time.perf_counter() - t0)
+            cpu0 = gwb._admin(url, "GET", "/gyre/stats")["gateway/cpu_s"]
+            r = cl.post(url + "/v1/chat/completions", content=body,
+                        headers={"content-type": "application/json"})  # fmt: skip
+            if r.status_code != 200:
+                raise RuntimeError(f"call {i}: {r.status_code} {r.text[:300]}")
+            cpu = gwb._admin(url, "GET", "/gyre/stats")["gateway/cpu_s"] - cpu0
+            reply = r.json()
+            msgs.append(
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""}
+            )
+            ctx = reply["usage"]["prompt_tokens"]
+            curve.append({"call": i, "tokens": ctx, "cpu_ms": 1e3 * cpu, "body_bytes": len(body),
+                          "parse_ms": parse_ms})  # fmt: skip
+    finally:
+        procs.close()
+
+    def near(n: int) -> dict:
+        return min(curve, key=lambda c: abs(c["tokens"] - n))
+
+    pts = {n: near(n) for n in (1_000, 10_000, 100_000, 300_000, 1_000_000)}
+    last, ten = curve[-1], pts[10_000]
+    return {
+        "xlong_gateway_calls": calls,
+        "xlong_gateway_tokens_max": last["tokens"],
+        "xlong_gateway_cpu_ms_1m_over_10k": last["cpu_ms"] / max(ten["cpu_ms"], 1e-9),
+        "xlong_gateway_cpu_over_parse_1m": last["cpu_ms"] / max(last["parse_ms"], 1e-9),
+        "curve": {str(n): p for n, p in pts.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    out = measure(args.quick)
+    for n, p in out["curve"].items():
+        print(f"{n:>9} tokens={p['tokens']:>8} cpu_ms={p['cpu_ms']:7.2f} "
+              f"body={p['body_bytes']:>9} parse_ms={p['parse_ms']:6.2f}")  # fmt: skip
+    print(json.dumps({k: v for k, v in out.items() if k != "curve"}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -91,3 +91,27 @@ def test_session_past_the_old_32k_limit_is_token_exact(tmp_path):
         assert res["output_ids"] == greedy_reference(ref, ids, 2)
     finally:
         eng.close()
+
+
+def test_interleaved_sessions_under_a_small_budget_match_an_unbounded_engine(tmp_path):
+    """Two growing sessions whose KV together exceeds the budget: each call evicts the other
+    session's prefix, which is then recomputed; outputs equal an unbounded engine's."""
+    d = make_tiny_model(tmp_path / "m", max_position_embeddings=4096)
+    small, big = Engine(d, kv_cache_tokens=1200), Engine(d, kv_cache_tokens=1 << 20)
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    try:
+        sessions: list[list[int]] = [[], []]
+        recomputed = 0
+        for turn in range(4):
+            for s in range(2):
+                ids = sessions[s] + ids_of(200, 10 * s + turn)
+                a, b = small.generate(ids, params), big.generate(ids, params)
+                assert a["output_ids"] == b["output_ids"], (turn, s)
+                if turn:
+                    recomputed += a["meta_info"]["cached_tokens"] < b["meta_info"]["cached_tokens"]
+                sessions[s] = ids + a["output_ids"]
+        assert recomputed, "the budget never forced an eviction: the test proves nothing"
+        assert small.load()["kv_tokens_peak"] <= 1200
+    finally:
+        small.close()
+        big.close()

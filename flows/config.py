@@ -160,16 +160,12 @@ _TOOLS_ROLLOUT: dict[str, Any] = {
 
 # the long preset's context: the tiny model's positions (its RoPE) must hold one whole
 # logbook session (~125K tokens with the chat template); set only where the model section
-# has the setting (infra/engine: make_tiny_model(max_position_embeddings=...))
+# (infra/engine: make_tiny_model(max_position_embeddings=...))
 LONG_POSITIONS = 262_144
 _LONG_MODEL: dict[str, Any] = {
     # a group's two sessions resident at once (~125K each) plus the radix cache's prefixes
     "kv_cache_tokens": 2 * LONG_POSITIONS,
-    **(
-        {"max_position_embeddings": LONG_POSITIONS}
-        if "max_position_embeddings" in ModelConfig.model_fields
-        else {}
-    ),
+    "max_position_embeddings": LONG_POSITIONS,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {

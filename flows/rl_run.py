@@ -173,7 +173,13 @@ def model_dir_of(cfg: RunConfig, say: Callable[[str], None] = print) -> str:
     base = cfg.model.path
     if base is None and cfg.model.name is not None:
         base = prepare(cfg.model.name, say=say)
-    return warm_start_for(cfg, say=say, base=base) or base or make_tiny_model(seed=cfg.model.seed)
+    return (
+        warm_start_for(cfg, say=say, base=base)
+        or base
+        or make_tiny_model(
+            seed=cfg.model.seed, max_position_embeddings=cfg.model.max_position_embeddings
+        )
+    )
 
 
 def _run(

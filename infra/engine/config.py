@@ -24,6 +24,12 @@ class ModelConfig(BaseModel):
     max_batch_size: int = Field(
         16, ge=1, description="requests an engine decodes together (continuous batching)"
     )
+    max_position_embeddings: int = Field(
+        32_768,
+        ge=1024,
+        description="the tiny model's context in positions (its RoPE is plain, so any length "
+        "up to this is exact); a checkpoint (model.path / model.name) keeps its own",
+    )
     kv_cache_tokens: int = Field(
         262_144, ge=1024, description="an engine's KV cache budget in tokens (radix cache included)"
     )

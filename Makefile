@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gyre-installed
 
-.PHONY: demo test test-slow lint format bench install clean
+.PHONY: demo test test-slow test-xlong lint format bench install clean
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3 ...)"; exit 1; }
@@ -44,7 +44,12 @@ test: $(STAMP) lint
 # Ctrl-C), the deployment run, an external Dask cluster, the mutation check and a
 # shortened learning demo, the real SmolLM2 checks (~25 min on 2 cores)
 test-slow: $(STAMP)
-	$(BIN)/pytest -q -m "slow and not gpu"
+	$(BIN)/pytest -q -m "slow and not gpu and not xlong"
+
+# a whole xLong run (gyre run --preset long: 2 steps on >= 100K-token rollouts); hours on
+# 2 CPU cores with today's trainer (BENCHMARKS.md, xLong)
+test-xlong: $(STAMP)
+	$(BIN)/pytest -q -s -m xlong
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done

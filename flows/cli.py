@@ -48,6 +48,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.from_served:
         return _run_from_served(args)
+    if args.resume and (args.preset or args.config):  # the stored settings are the base
+        flag = "--preset" if args.preset else "--config"
+        print(
+            f"gyre run: {flag} with --resume: a resumed run continues with its stored "
+            f"settings; drop {flag} and change settings with key=value overrides",
+            file=sys.stderr,
+        )
+        return 2
+    args.preset = args.preset or (None if args.resume else "tiny")
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
     try:  # fail before anything starts, every problem at once
         if args.resume:
@@ -71,6 +80,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_free(Store(cfg.store), run_id)
     except LeaseHeld as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
+    if (done := _steps_done(cfg.store, run_id)) >= cfg.train.steps:  # before Prefect, cells
+        print(
+            f"gyre run: run {run_id} already has {done} steps (train.steps={cfg.train.steps}): "
+            f"nothing to train; continue it with `gyre run --resume {run_id} --store "
+            f"{cfg.store} train.steps=N` with N > {done}",
+            file=sys.stderr,
+        )
         return 2
     what = f"resume={args.resume}" if args.resume else f"preset={args.preset}"
     print(
@@ -119,6 +136,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     print(f"continue it:  gyre run --resume {rid} --store {summary['store']} train.steps=N")
     return 0
+
+
+def _steps_done(store: str, run_id: str) -> int:
+    """Steps ``run_id`` has committed in ``store`` (0: a new run or a store not made yet);
+    read only, so that asking creates nothing."""
+    from storage.commits import last_committed
+    from storage.store import Store, StoreError
+
+    try:
+        last = last_committed(Store(store, create=False), run_id)
+    except (StoreError, FileNotFoundError):
+        return 0
+    return last[0] if last else 0
 
 
 def _import_flow_and_fork_zygote() -> None:
@@ -297,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        default="tiny",
-        help=f"starting settings: {preset_help()}",
+        default=None,  # None, not "tiny": so that --preset with --resume can be refused
+        help=f"starting settings (default tiny): {preset_help()}",
     )
     r.add_argument(
         "--from-served",

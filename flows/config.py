@@ -16,12 +16,12 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.config_yaml import read_config_file
 from flows.warmstart import DEMO_SEED0, WarmStartConfig
 from infra.cells.config import ClusterConfig
 from infra.engine.config import ModelConfig
@@ -160,12 +160,16 @@ _TOOLS_ROLLOUT: dict[str, Any] = {
 
 # the long preset's context: the tiny model's positions (its RoPE) must hold one whole
 # logbook session (~125K tokens with the chat template); set only where the model section
-# (infra/engine: make_tiny_model(max_position_embeddings=...))
+# has the setting (infra/engine: make_tiny_model(max_position_embeddings=...))
 LONG_POSITIONS = 262_144
 _LONG_MODEL: dict[str, Any] = {
     # a group's two sessions resident at once (~125K each) plus the radix cache's prefixes
     "kv_cache_tokens": 2 * LONG_POSITIONS,
-    "max_position_embeddings": LONG_POSITIONS,
+    **(
+        {"max_position_embeddings": LONG_POSITIONS}
+        if "max_position_embeddings" in ModelConfig.model_fields
+        else {}
+    ),
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -425,7 +429,8 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def parse_scalar(raw: str) -> Any:
     """A ``key=value`` value as YAML would read it, plus ``1e-3`` as a float (YAML 1.1
-    needs ``1.0e-3``); anything unparsable stays a string for the model to judge, and so
+    needs ``1.0e-3``) unless quoted (``'1e-3'`` is a string, refused where a number is due);
+    anything unparsable stays a string for the model to judge, and so
     does ``a: b`` (a mapping only in braces: ``rollout.harness=cmd: python agent.py``)."""
     if not raw.strip():
         return None
@@ -433,7 +438,7 @@ def parse_scalar(raw: str) -> Any:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-    if isinstance(value, str):
+    if isinstance(value, str) and raw.strip()[:1] not in ("'", '"'):
         try:
             return float(value)
         except ValueError:
@@ -464,7 +469,7 @@ def load_config(
             tree = _merge(tree, copy.deepcopy(PRESETS[preset]))
     if config_file is not None:
         try:
-            data = yaml.safe_load(Path(config_file).read_text()) or {}
+            data = read_config_file(config_file) or {}
             if not isinstance(data, dict):
                 raise ValueError("top level must be a mapping")
             tree = _merge(tree, data)

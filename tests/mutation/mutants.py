@@ -255,8 +255,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "tree attention: a token does not see itself",
         "tasks/train/tree_attention.py",
-        ".tril(diagonal=depth + lo - s)",
-        ".tril(diagonal=depth + lo - s - 1)",
+        "depth + lo - s)\n        for lo in",
+        "depth + lo - s - 1)\n        for lo in",
         TRAIN,
     ),
     Mutant(

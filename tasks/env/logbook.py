@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.env.suite import Outcome, SubtaskScore, SubtaskSpec, Task, Turn, close_scores
-from tasks.env.tools import answer_score
+from tasks.env.tools import BestAttempt, answer_score
 
 SYSTEM_PROMPT = (
     "You are reading a service log, one page per message. Answer each question with the "
@@ -136,13 +136,6 @@ def turn_prompt(log: Log, q: Question) -> str:
 
 
 @dataclass
-class _Result:
-    score: float = -1.0  # below any real score: the first attempt always counts
-    at_request_id: str | None = None
-    attempts: int = 0
-
-
-@dataclass
 class LogbookEnv:
     """One session: the log, the pages shown so far, the best answer to each question."""
 
@@ -151,7 +144,7 @@ class LogbookEnv:
     workdir: str = ""
     system_prompt: str = SYSTEM_PROMPT
     max_tool_rounds: int = MAX_TOOL_ROUNDS
-    results: dict[str, _Result] = field(default_factory=dict)
+    results: dict[str, BestAttempt] = field(default_factory=dict)
     shown: int = 0  # pages the session has been shown (turns started)
     tool_calls: int = 0
 
@@ -195,7 +188,7 @@ class LogbookEnv:
         """Grade one answer; the best attempt per question counts, credited to its reply."""
         q = self._see(turn_id)
         score = answer_score(text, q.answer)
-        res = self.results.setdefault(turn_id, _Result())
+        res = self.results.setdefault(turn_id, BestAttempt())
         res.attempts += 1
         if score > res.score:
             res.score, res.at_request_id = score, request_id

@@ -158,7 +158,9 @@ def calls_score(made: list[tuple[str, str]], needed: tuple[tuple[str, str], ...]
 
 
 @dataclass
-class _Result:
+class BestAttempt:
+    """The best attempt at one question so far (the tools and logbook suites' turns)."""
+
     score: float = -1.0  # below any real score: the first attempt always counts
     at_request_id: str | None = None
     attempts: int = 0
@@ -174,7 +176,7 @@ class ToolsEnv:
     level: Level
     workdir: str = ""
     system_prompt: str = SYSTEM_PROMPT
-    results: dict[str, _Result] = field(default_factory=dict)
+    results: dict[str, BestAttempt] = field(default_factory=dict)
     pending: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict)
 
     @property
@@ -208,7 +210,7 @@ class ToolsEnv:
         c = calls_score([(t, b) for t, b, _ in made], q.calls)
         a = answer_score(text, q.answer)
         score = W_CALL * c + W_ANSWER * a
-        res = self.results.setdefault(turn_id, _Result())
+        res = self.results.setdefault(turn_id, BestAttempt())
         res.attempts += 1
         if score > res.score:
             at = request_id

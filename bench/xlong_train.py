@@ -18,8 +18,12 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+# the repository root: the fp64 figure reuses tests/tasks/train/test_chunked.py's tree and model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FULL = [4096, 16384, 32768, 65536, 131072]
 QUICK = [1024, 2048, 4096, 8192]
@@ -125,8 +129,10 @@ def measure(quick: bool) -> dict:
     first, last = curve[0], curve[-1]
     growth = (last["step_s"] / last["n"]) / (first["step_s"] / first["n"])
     by_128k = {r["n"]: r for r in curve}.get(131072)
-    # extrapolate the per-size step time with a + b n + c n^2 fitted on the curve
-    coef = np.polyfit(ns, [r["step_s"] for r in curve], min(2, len(ns) - 1))
+    # 1M tokens from the attention FLOPs (n^2): at the rate the largest size reached, and at
+    # this machine's matmul peak (a polynomial fitted on small sizes, where the step is not
+    # yet attention-bound, underestimates it many times over)
+    flops_1m = last["attn_flops"] * (2**20 / last["n"]) ** 2
     return {
         "xlong_train_path_tokens_max": int(last["n"]),
         "xlong_train_peak_mb_128k": by_128k["peak_mb"] if by_128k else None,
@@ -137,7 +143,8 @@ def measure(quick: bool) -> dict:
         "xlong_attention_flops_fraction": last["attn_flops_per_s"] / peak,
         "xlong_matmul_flops_per_s": peak,
         "xlong_chunked_grad_max_abs_diff_fp64": _grad_diff_fp64(),
-        "xlong_train_1m_step_s_extrapolated": float(np.polyval(coef, 2**20)),
+        "xlong_train_1m_step_s_extrapolated": flops_1m / last["attn_flops_per_s"],
+        "xlong_train_1m_step_s_at_matmul_peak": flops_1m / peak,
         "xlong_train_1m_peak_mb_extrapolated": float(mb[-1] + slope * (2**20 - ns[-1]) / 2**20),
         "chunk": chunk,
         "curve": curve,

@@ -46,7 +46,7 @@ test: $(STAMP) lint
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m "slow and not gpu and not xlong"
 
-# a whole xLong run (gyre run --preset long: 2 steps on >= 100K-token rollouts); hours on
+# a whole xLong run (gyre run --preset long: 2 steps on >= 100K-token rollouts); the best part of an hour on
 # 2 CPU cores with today's trainer (BENCHMARKS.md, xLong)
 test-xlong: $(STAMP)
 	$(BIN)/pytest -q -s -m xlong

@@ -36,7 +36,7 @@ def test_long_preset_is_one_untruncated_path_per_session():
 
 
 @pytest.mark.slow
-@pytest.mark.xlong  # hours on 2 CPU cores today: not in make test-slow (see the marker)
+@pytest.mark.xlong  # the best part of an hour on 2 CPU cores: not in make test-slow (see the marker)
 @pytest.mark.integration
 def test_gyre_run_preset_long_trains_whole_100k_rollouts(tmp_path):
     store, run_id = tmp_path / "store", "long-e2e"

@@ -231,6 +231,8 @@ def group_shape(
     """Sub-tasks, env step median and spread of rollout group ``index`` of ~``total``.
 
     Deterministic in (seed, index): every mode of a comparison gets the same workload.
+    The draw is capped at four times ``subtasks`` (never below 32), so a long-horizon
+    suite's 200 sub-tasks stay 200 when nothing scales them.
     """
     import random
 
@@ -239,5 +241,5 @@ def group_shape(
     scale = (1.0 + (pacing.length_growth - 1.0) * progress) * math.exp(
         pacing.length_sigma * rng.gauss(0.0, 1.0)
     )
-    n = max(1, min(32, round(subtasks * scale)))
+    n = max(1, min(max(32, 4 * subtasks), round(subtasks * scale)))
     return n, pacing.env_step_s, pacing.env_step_sigma

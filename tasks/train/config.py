@@ -85,3 +85,13 @@ class TrainConfig(BaseModel):
         "top_p. None: rollout.top_p. Against a real SGLang server (which reports log-probs "
         "before top-p) use 1.0",
     )
+    sharding: Literal["replicate", "fsdp"] = Field(
+        "replicate",
+        description="how the train members hold the model: replicate (each member a full "
+        "copy of weights, gradients and AdamW state; gradients summed over members), or "
+        "fsdp (torch FSDP2: weights and AdamW state split over the step's members, about "
+        "1/k each between steps; the full weights and gradients are gathered during a "
+        "step; a membership change reloads each member's shards from the committed "
+        "step's torch.distributed.checkpoint state: tasks/train/sharded.py). Same "
+        "updates either way; fsdp for models whose training state does not fit one cell",
+    )

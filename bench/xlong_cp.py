@@ -54,7 +54,7 @@ def _member(rank: int, world: int, store_path: str, n: int, out) -> None:
         dist.barrier()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
-        logp, mine = cp.member_logprobs(model, ids, depth, parent, sel)
+        logp, _, mine = cp.member_logprobs(model, ids, depth, parent, sel)
         loss = -(torch.as_tensor(w[mine], dtype=logp.dtype) * logp).sum() / len(sel)
         loss.backward()
         seconds = time.perf_counter() - t0

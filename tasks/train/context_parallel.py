@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tasks.train import tree_attention
+from tasks.train.logprobs import SamplingDist, token_logprobs
 
 NAME = "gyre_cp"
 
@@ -109,23 +110,29 @@ def cp_attention_forward(
         q_lo, q_hi = max(c.start, cp.lo), min(c.end, cp.hi)
         if q_lo >= q_hi:
             continue
-        keys = c.keys if c.keys is not None else torch.arange(c.start, c.end)
-        depth = len(keys) - (c.end - c.start)  # ancestors before the chain
-        n_keys = depth + q_hi - c.start  # the last query's keys
-        keys = keys[:n_keys].to(key.device)
-        # query at absolute t sees keys[: depth + t - start + 1]
-        row = torch.arange(q_lo, q_hi, device=key.device)[:, None] - c.start + depth
-        mask = torch.arange(n_keys, device=key.device)[None, :] <= row  # (nq, n_keys)
-        o = F.scaled_dot_product_attention(
-            query[:, :, q_lo - cp.lo : q_hi - cp.lo],
-            key.index_select(2, keys),
-            value.index_select(2, keys),
-            attn_mask=mask,
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-        outs.append(o)
+        if c.keys is None:  # a root chain: its own tokens, contiguous
+            k, v, depth = key[:, :, c.start : c.end], value[:, :, c.start : c.end], 0
+        elif c.key_range is not None:
+            k0, k1 = c.key_range
+            k, v = key[:, :, k0:k1], value[:, :, k0:k1]
+            depth = len(c.keys) - (c.end - c.start)
+        else:
+            keys = c.keys.to(key.device)
+            k, v = key.index_select(2, keys), value.index_select(2, keys)
+            depth = len(c.keys) - (c.end - c.start)  # ancestors before the chain
+        # query blocks of at most BLOCK rows, each masked over the keys it can see: a
+        # member's slice of a long path never builds an (n_r, N) mask
+        for b in tree_attention._blocks(q_lo, q_hi, c.start, depth, tree_attention.BLOCK):
+            o = F.scaled_dot_product_attention(
+                query[:, :, b.q_lo - cp.lo : b.q_hi - cp.lo],
+                k[:, :, : b.n_keys],
+                v[:, :, : b.n_keys],
+                attn_mask=b.mask.to(query.device),
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+            outs.append(o)
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, H, n_r, D)
     return out.transpose(1, 2).contiguous(), None
 
@@ -147,26 +154,35 @@ def member_logprobs(
     parent_idx: np.ndarray,
     sel: np.ndarray,
     group=None,
-) -> tuple[torch.Tensor, np.ndarray]:
-    """This member's share of log p(token | its path) for loss tokens ``sel`` (T,).
+    sampling: SamplingDist = SamplingDist(),
+    *,
+    entropy: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """This member's share of log q(token | its path) (and H(q)) for loss tokens ``sel`` (T,).
 
-    Returns (logp (T_r,), mask (T,) bool: which of ``sel`` this member scored, i.e. those
-    whose parent lies in its slice). Every member must call this with the same arguments."""
+    Returns (logp (T_r,), entropy (T_r,) or None, mask (T,) bool: which of ``sel`` this
+    member scored, i.e. ``scored``). ``sampling``: the rollouts' processed distribution, as
+    in single-member training. Every member must call this with the same arguments."""
     world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     cuts = split(parent_idx, world)
     lo, hi = cuts[rank]
-    cp = CPPlan(tree_attention.plan(parent_idx), lo, hi, [b - a for a, b in cuts], group)
+    tplan = tree_attention.plan(parent_idx).to(device)
+    cp = CPPlan(tplan, lo, hi, [b - a for a, b in cuts], group)
     enable(model)
-    ids = torch.as_tensor(token_ids[lo:hi])[None]  # (1, n_r)
-    pos = torch.as_tensor(positions[lo:hi])[None]
+    ids = torch.as_tensor(token_ids[lo:hi], device=device)[None]  # (1, n_r)
+    pos = torch.as_tensor(positions[lo:hi], device=device)[None]
     decoder = getattr(model, "model", None) or model.get_decoder()
     hidden = decoder(input_ids=ids, position_ids=pos, cp=cp).last_hidden_state[0]  # (n_r, H)
+    mine = scored(parent_idx, sel, lo, hi)
+    rows = torch.as_tensor(parent_idx[sel][mine] - lo, device=device)
+    targets = torch.as_tensor(token_ids[sel[mine]], device=device)
+    logp, ent = token_logprobs(model.lm_head(hidden[rows]), targets, sampling, entropy=entropy)
+    return logp, ent, mine
+
+
+def scored(parent_idx: np.ndarray, sel: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """(T,) bool: the loss tokens ``sel`` a member holding ``[lo, hi)`` scores (their parent's
+    hidden state is in its slice)."""
     parents = parent_idx[sel]
-    mine = (parents >= lo) & (parents < hi)
-    rows = torch.as_tensor(parents[mine] - lo)
-    logits = model.lm_head(hidden[rows])  # (T_r, V)
-    targets = torch.as_tensor(token_ids[sel[mine]])
-    logp = torch.log_softmax(
-        logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1
-    )
-    return logp.gather(-1, targets[:, None])[:, 0], mine
+    return (parents >= lo) & (parents < hi)

@@ -302,8 +302,16 @@ def tree_loss_and_grads(
     attention: str = "tree",
     dist: SamplingDist = SamplingDist(),
     ref_model: torch.nn.Module | None = None,
+    cp_samples: Sequence[Sample] = (),
+    cp_group=None,
 ) -> dict[str, float]:
     """Tree-packed loss over ``samples``, gradients accumulated into ``model`` (no step).
+
+    ``cp_samples`` are trained context parallel with the other members of ``cp_group`` (a
+    torch.distributed group; tasks/train/context_parallel.py): every member passes the same
+    ones, holds a slice of each and scores the tokens whose parent is in its slice, so the
+    sum of the members' gradients is the one-member gradient. Their forwarded tokens count
+    as the member's slice.
 
     A micro-batch longer than ``max_tokens`` (a sample with a path deeper than it) runs in
     chunks of ``max_tokens`` tokens with per-chunk checkpointing (tasks/train/chunked.py):
@@ -356,7 +364,81 @@ def tree_loss_and_grads(
             device=device,
             backward=backward,
         )
-    return {**terms.metrics(), "tokens": float(n_tok), "micro_batches": float(len(packs))}
+    for s in cp_samples:
+        n_tok += _context_parallel_terms(
+            terms,
+            model,
+            ref_model,
+            s,
+            cfg,
+            normalizer,
+            min_version,
+            device,
+            backward,
+            dist,
+            cp_group,
+        )
+    n_micro = len(packs) + len(cp_samples)
+    return {**terms.metrics(), "tokens": float(n_tok), "micro_batches": float(n_micro)}
+
+
+def _context_parallel_terms(
+    terms: _Terms,
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    sample: Sample,
+    cfg: LossConfig,
+    normalizer: float,
+    min_version: int | None,
+    device: str | torch.device,
+    backward: bool,
+    dist: SamplingDist,
+    group,
+) -> int:
+    """One sample's loss terms from this member's slice of it; returns the slice's tokens.
+
+    Every member runs the same collectives (the forward of ``model``, then of ``ref_model``)
+    whether or not its slice holds loss tokens."""
+    import torch.distributed as tdist
+
+    from tasks.train import context_parallel
+
+    (p,) = pack([sample], max(1, sample.n_tokens))
+    sel = _selected(p.counts, p.weight_pos, p.weight_neg, p.parent_idx)
+    world, rank = tdist.get_world_size(group=group), tdist.get_rank(group=group)
+    lo, hi = context_parallel.split(p.parent_idx, world)[rank]
+    mine = sel[context_parallel.scored(p.parent_idx, sel, lo, hi)]
+
+    def stats(m, need_entropy):
+        logp, ent, _ = context_parallel.member_logprobs(
+            m,
+            p.token_ids,
+            p.positions,
+            p.parent_idx,
+            sel,
+            group,
+            dist,
+            entropy=need_entropy,
+            device=device,
+        )
+        return logp, ent
+
+    terms.add(
+        model,
+        ref_model,
+        stats,
+        p.behaviour_logprobs[mine],
+        p.weight_pos[mine],
+        p.weight_neg[mine],
+        p.counts[mine],
+        p.versions[mine],
+        cfg=cfg,
+        normalizer=normalizer,
+        min_version=min_version,
+        device=device,
+        backward=backward,
+    )
+    return hi - lo
 
 
 def flat_loss_and_grads(

@@ -184,6 +184,8 @@ class Trainer:
         current_version: int | None = None,
         *,
         normalizer: float | None = None,
+        cp_samples: Sequence[Sample] = (),
+        cp_group=None,
     ) -> dict[str, float]:
         """Accumulate the step's loss gradients into the model (no optimizer step).
 
@@ -191,8 +193,9 @@ class Trainer:
         trainable-token count of the samples (``Sample.n_flat_trainable``), so the tree
         loss equals per-branch flat training; a data-parallel member passes the whole
         batch's ``normalizer`` instead of its shard's. Tokens older than ``current_version -
-        max_staleness`` get truncated IS. Returns the raw metrics of
-        ``tree_loss_and_grads``."""
+        max_staleness`` get truncated IS. ``cp_samples``: trained context parallel with the
+        members of ``cp_group`` (each member passes the same ones; ``tree_loss_and_grads``).
+        Returns the raw metrics of ``tree_loss_and_grads``."""
         version = self.version if current_version is None else current_version
         min_version = version - self.max_staleness if self.max_staleness is not None else None
         if normalizer is None:
@@ -208,6 +211,8 @@ class Trainer:
             attention=self.attention,
             dist=self.dist,
             ref_model=self.ref_model,
+            cp_samples=cp_samples,
+            cp_group=cp_group,
         )
 
     def step(
@@ -217,16 +222,22 @@ class Trainer:
         *,
         normalizer: float | None = None,
         reduce_grads: Callable[[torch.nn.Module], None] | None = None,
+        cp_samples: Sequence[Sample] = (),
+        cp_group=None,
     ) -> dict[str, float]:
         """One optimizer step on ``samples``; returns ``train/*`` metrics.
 
         Data parallel (tasks/train/dp.py): each member passes its shard, the whole batch's
-        ``normalizer`` and ``reduce_grads`` (sums gradients over members before clipping).
+        ``normalizer`` and ``reduce_grads`` (sums gradients over members before clipping);
+        ``cp_samples`` (the same on every member) are trained context parallel over
+        ``cp_group``.
         """
         t0 = time.perf_counter()
         version = self.version if current_version is None else current_version
         self.optimizer.zero_grad(set_to_none=True)
-        m = self.loss_and_grads(samples, version, normalizer=normalizer)
+        m = self.loss_and_grads(
+            samples, version, normalizer=normalizer, cp_samples=cp_samples, cp_group=cp_group
+        )
         if reduce_grads is not None:
             reduce_grads(self.model)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -239,6 +250,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.n_steps += 1
+        if cp_samples:  # counted once over the group: by its first member
+            import torch.distributed as tdist
+
+            if tdist.get_rank(group=cp_group) == 0:
+                samples = [*samples, *cp_samples]
         lags = [x for x in (staleness(s, version) for s in samples) if not math.isnan(x)]
         return {
             "train/loss": m["loss"],

@@ -73,7 +73,7 @@ def _member(rank: int, world: int, store_path: str, dtypes, tree, out) -> None:
         results = []
         for dtype in dtypes:
             model = _model(dtype)
-            logp, mine = cp.member_logprobs(model, ids, depth, parent, sel)
+            logp, _, mine = cp.member_logprobs(model, ids, depth, parent, sel)
             loss = -(torch.as_tensor(w[mine], dtype=dtype) * logp).sum() / len(sel)
             loss.backward()
             total = loss.detach().clone()
@@ -149,3 +149,70 @@ def test_long_items_go_context_parallel_the_rest_shard():
     assert long == [1, 4]
     assert sorted(i for p in parts for i in p) == [0, 2, 3, 5]
     assert [sum(sizes[i] for i in p) for p in parts] == [50, 50]
+
+
+def _trainer_member(rank: int, world: int, store_path: str, seed: int, dirs, out) -> None:
+    """One member of the real Trainer path: its slice of every sample, summed over members."""
+    try:
+        from tests.tasks.train.test_exactness import make_case, project_loss
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        m, grads, _ = project_loss(make_case(seed), *dirs, context_parallel=True)
+        loss = torch.tensor([m["loss"], m["trainable_tokens"]], dtype=torch.float64)
+        dist.all_reduce(loss)
+        summed = {}
+        for k, g in sorted(grads.items()):
+            dist.all_reduce(g)
+            summed[k] = g.numpy().copy()
+        if rank == 0:
+            out.put((loss.tolist(), summed))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def exactness_dirs(tmp_path_factory):
+    from tests.tasks.train.test_exactness import _save_model
+
+    d = tmp_path_factory.mktemp("cp-trainer")
+    return _save_model(d / "policy", 0, "qwen3"), _save_model(d / "reference", 1, "qwen3")
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_trainer_context_parallel_equals_textbook_reference(world, tmp_path, exactness_dirs):
+    """Trainer.loss_and_grads with every sample context parallel over ``world`` gloo members
+    (seed 8: PPO clip, truncated IS for stale tokens, KL to a reference, entropy bonus,
+    top-k sampling) == test_exactness's textbook flat reference, fp64: the loss, the
+    trainable-token count and every gradient, summed over members."""
+    from tests.tasks.train.test_exactness import load, make_case, reference_loss
+
+    seed = 8
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_trainer_member, args=(r, world, store, seed, exactness_dirs, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    res = out.get(timeout=240)
+    for p in procs:
+        p.join(timeout=60)
+    assert res[0] != "error", res[1]
+    (loss, n_trainable), grads = res
+    c = make_case(seed)
+    model, ref_model = load(exactness_dirs[0]), load(exactness_dirs[1])
+    want, _ = reference_loss(c, model, ref_model)
+    want.backward()
+    assert abs(loss - float(want.detach())) <= 1e-12
+    assert n_trainable > 0
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(ref)
+    for k, g in ref.items():
+        assert float(np.abs(grads[k] - g.numpy()).max()) <= 1e-12 * max(
+            1.0, float(g.abs().max())
+        ), k

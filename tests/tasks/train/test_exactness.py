@@ -382,7 +382,9 @@ def reference_loss(c: Case, model, ref_model) -> tuple[torch.Tensor, dict]:
 # ---- the comparison ------------------------------------------------------------------------
 
 
-def project_loss(c: Case, policy_dir: str, ref_dir: str):
+def project_loss(c: Case, policy_dir: str, ref_dir: str, *, context_parallel: bool = False):
+    """The project's loss and gradients on the case (``context_parallel``: every sample
+    trained as a slice of this process's share of the default torch.distributed group)."""
     trees = build_trees(c.records, session_parents=c.parents, spans=c.spans)
     samples = build_samples(
         trees,
@@ -413,7 +415,15 @@ def project_loss(c: Case, policy_dir: str, ref_dir: str):
         ref_model_dir=ref_dir,
     )
     tr.model.zero_grad(set_to_none=True)
-    m = tr.loss_and_grads(samples, current_version=c.current_version)
+    if context_parallel:
+        m = tr.loss_and_grads(
+            [],
+            current_version=c.current_version,
+            normalizer=float(sum(s.n_flat_trainable for s in samples)) or 1.0,
+            cp_samples=samples,
+        )
+    else:
+        m = tr.loss_and_grads(samples, current_version=c.current_version)
     grads = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
     return m, grads, samples
 

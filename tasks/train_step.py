@@ -299,21 +299,33 @@ def member_step(
         train_on = kept
     else:
         train_on = samples
-    parts = dp.shard([s.n_tokens for s in train_on], group.world)
+    sizes = [s.n_tokens for s in train_on]
+    long: list[int] = []
+    if cfg.context_parallel_tokens and group.world > 1:
+        long, parts = dp.shard_with_context_parallel(
+            sizes, group.world, cfg.context_parallel_tokens
+        )
+    else:
+        parts = dp.shard(sizes, group.world)
     mine = [train_on[i] for i in parts[rank]]
+    together = [train_on[i] for i in long]  # every member holds a slice of each
     normalizer = float(sum(s.n_flat_trainable for s in train_on)) or 1.0
     t_compute = time.monotonic()
     # paced: the step's device time (plan.pace_s, from the member's start: the simulator's
     # step), else per token of this member's shard
     started, device_s = (t_mono, plan.pace_s) if plan.pace_s > 0 else (t_compute, 0.0)
     if not plan.pace_s:
-        device_s = s_per_token * sum(s.n_tokens for s in mine)
+        device_s = s_per_token * (
+            sum(s.n_tokens for s in mine) + sum(s.n_tokens for s in together) / group.world
+        )
     metrics = trainer.step(
         mine,
         current_version=plan.version,
         normalizer=normalizer,
         reduce_grads=_paced(group, started, device_s),
+        cp_samples=together,
     )
+    metrics["train/context_parallel_samples"] = float(len(together))
     metrics = group.reduce_metrics(metrics)
     rewards = [s.reward for s in samples]
     metrics["train/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0

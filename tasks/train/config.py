@@ -33,6 +33,15 @@ class TrainConfig(BaseModel):
     max_tokens_per_micro: int = Field(
         4096, ge=64, description="tokens per packed micro-batch (memory per forward pass)"
     )
+    context_parallel_tokens: int = Field(
+        0,
+        ge=0,
+        description="a sample of more tokens than this is trained context parallel: split "
+        "over all of the step's members, each holding a slice of the sequence and "
+        "gathering the others' keys/values per layer (tasks/train/context_parallel.py), "
+        "for a rollout too long for one cell; shorter samples shard over members as "
+        "usual. 0 = never (each long sample trains chunked on one member)",
+    )
     max_staleness: int = Field(1, ge=0, description="policy versions a token may lag")
     stale_policy: Literal["drop", "is"] = Field(
         "drop",

@@ -47,7 +47,7 @@ def _weights(model) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def _member(store_url: str, plan: dp.StepPlan, rank: int, out) -> None:
+def _member(store_url: str, plan: dp.StepPlan, rank: int, out, cfg: TrainConfig = CFG) -> None:
     """A training cell's process: its part of the step; the reduced gradient is recorded."""
     torch.set_num_threads(1)
     try:
@@ -60,7 +60,7 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out) -> None:
 
         dp.DPGroup.reduce_grads = spy
         holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
-        done = member_step(Store(store_url), RUN, plan, rank, CFG, holder=holder, backend="gloo")
+        done = member_step(Store(store_url), RUN, plan, rank, cfg, holder=holder, backend="gloo")
         holder.dp.close()
         out.put((rank, done.metrics, seen, done.checkpoint))
     except Exception:
@@ -69,12 +69,14 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out) -> None:
 
 @pytest.fixture(params=ARCHS)
 def store_with_batch(request, tmp_path):
+    return _store_with_batch(tmp_path, request.param)
+
+
+def _store_with_batch(tmp_path, arch: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        micro_config(request.param, 40), attn_implementation="sdpa"
-    )
+    model = AutoModelForCausalLM.from_config(micro_config(arch, 40), attn_implementation="sdpa")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -96,7 +98,20 @@ def store_with_batch(request, tmp_path):
 
 
 def test_two_members_make_the_one_member_step(store_with_batch):
-    store, seg = store_with_batch
+    _two_members_equal_one(*store_with_batch, CFG)
+
+
+def test_context_parallel_members_make_the_one_member_step(tmp_path):
+    """``train.context_parallel_tokens``: the longest samples are trained by both members
+    together (each a slice), the rest shard; the step is still the one-member step."""
+    store, seg = _store_with_batch(tmp_path, "qwen3")
+    sizes = sorted(s.n_tokens for s in load_samples(store, seg))
+    cfg = CFG.model_copy(update={"context_parallel_tokens": sizes[len(sizes) // 2]})
+    metrics = _two_members_equal_one(store, seg, cfg)
+    assert metrics["train/context_parallel_samples"] >= 1
+
+
+def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
     port_store, port = dp.host_store("127.0.0.1")
     plan = dp.StepPlan(
         step=0,
@@ -111,7 +126,7 @@ def test_two_members_make_the_one_member_step(store_with_batch):
     )
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(store.url, plan, r, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_member, args=(store.url, plan, r, out, cfg)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -131,9 +146,13 @@ def test_two_members_make_the_one_member_step(store_with_batch):
     samples = load_samples(store, seg)
     samples.sort(key=lambda s: s.sample_id)
     random.Random(plan.shuffle_seed).shuffle(samples)
-    parts = dp.shard([s.n_tokens for s in samples], 2)
+    sizes = [s.n_tokens for s in samples]
+    if cfg.context_parallel_tokens:
+        _, parts = dp.shard_with_context_parallel(sizes, 2, cfg.context_parallel_tokens)
+    else:
+        parts = dp.shard(sizes, 2)
     assert all(parts), "both members must train part of the batch"
-    ref = restore_trainer(store, RUN, 0, CFG)
+    ref = restore_trainer(store, RUN, 0, cfg)
     ref_grads: dict[str, np.ndarray] = {}
     ref_m = ref.step(samples, reduce_grads=lambda m: ref_grads.update(_grads(m)))
 
@@ -147,7 +166,8 @@ def test_two_members_make_the_one_member_step(store_with_batch):
         assert m["train/trainable_tokens"] == ref_m["train/trainable_tokens"]
     # rank 0 committed v1: the one-member weights
     assert got[0][2] and not got[1][2]
-    committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=CFG.lr)
+    committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=cfg.lr)
     want = _weights(ref.model)
     for k, w in _weights(committed.model).items():
         assert float(np.abs(w - want[k]).max()) <= 1e-6, k
+    return got[0][0]

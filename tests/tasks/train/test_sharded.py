@@ -70,16 +70,19 @@ def _full_state(trainer) -> dict[str, np.ndarray]:
 
 
 def _step(trainer, seed: int, **kw) -> tuple[float, float, dict[str, np.ndarray]]:
-    """One step on batch ``seed``: (loss, grad norm, the clipped gradients AdamW received)."""
+    """One step on batch ``seed`` (seeds >= 100: the first sample of batch ``seed - 100``
+    alone, so some member trains nothing):
+    (loss, grad norm, the clipped gradients AdamW received)."""
+    samples = _batch(seed - 100)[:1] if seed >= 100 else _batch(seed)
     clipped: dict[str, np.ndarray] = {}
     hook = trainer.optimizer.register_step_pre_hook(
         lambda *_: clipped.update(_grads(trainer.model))
     )
     try:
         if kw:
-            m = sharded.sharded_step(trainer, _batch(seed), **kw)
+            m = sharded.sharded_step(trainer, samples, **kw)
         else:
-            m = trainer.step(_batch(seed))
+            m = trainer.step(samples)
     finally:
         hook.remove()
     return m["train/loss"], m["train/grad_norm"], clipped
@@ -187,8 +190,9 @@ def _check_weights(full: dict[str, np.ndarray], ref, what: str) -> None:
 
 
 def _k_members_equal_one(tmp_path: Path, k: int) -> None:
-    """k members train two steps and write the consolidated checkpoint of v2; one replica
-    trains the same two steps."""
+    """k members train three steps (the last on one sample: some member trains nothing but
+    still takes part) and write the consolidated checkpoint of v3; one replica
+    trains the same steps."""
     from transformers import AutoModelForCausalLM
 
     from storage.checkpoints import read_digest, weights_digest
@@ -196,19 +200,20 @@ def _k_members_equal_one(tmp_path: Path, k: int) -> None:
     model_dir = _model_dir(tmp_path)
     names = "ABC"[:k]
     members = _Members(names, model_dir)
-    ckpt = str(tmp_path / "v2")
+    ckpt = str(tmp_path / "v3")
     try:
         ops = [("step", 0), ("full", None), ("step", 1), ("full", None)]
+        ops += [("step", 100), ("full", None)]  # one sample: member B's part is empty
         got = members.run(names, [("build", None), *ops, ("consolidate", ckpt)])
     finally:
         members.close()
     ref = _trainer(model_dir)
-    for i in range(2):
-        want = _step(ref, i)
+    for i, seed in enumerate([0, 1, 100]):
+        want = _step(ref, seed)
         for n in names:
             _check_step(got[n]["steps"][i], want, f"step {i} member {n}")
         _check_weights(got["A"]["full"][i], ref, f"weights after step {i}")
-    assert {got[n]["version"] for n in names} == {2}
+    assert {got[n]["version"] for n in names} == {3}
     # the served weights' digest: the consolidated checkpoint's recorded digest, the
     # digest of what an engine loads from it, and that of the sharded state's full weights
     assert got["A"]["ckpt"] == ckpt and all(got[n]["ckpt"] is None for n in names[1:])
@@ -216,7 +221,7 @@ def _k_members_equal_one(tmp_path: Path, k: int) -> None:
     loaded = weights_digest(AutoModelForCausalLM.from_pretrained(ckpt))
     full = {
         k.removeprefix("model/"): torch.from_numpy(v)
-        for k, v in got["A"]["full"][1].items()
+        for k, v in got["A"]["full"][2].items()
         if k.startswith("model/")
     }
     gathered = weights_digest(sharded.consolidated_model(ref, full))

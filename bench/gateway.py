@@ -155,7 +155,8 @@ def _serve_stub(args) -> None:
             "output_token_logprobs": [[-0.5, t, None] for t in out],
         },
     }
-    info = {"max_context_length": 32768, "vocab_size": tok.vocab_size, "weight_version": "0"}
+    ctx = int(args.max_context or 32768)  # what the stub advertises (bench/xlong_gateway.py: ~1M)
+    info = {"max_context_length": ctx, "vocab_size": tok.vocab_size, "weight_version": "0"}
     answers = {
         b"/generate": _http_answer(json.dumps(gen).encode()),
         b"/get_model_info": _http_answer(json.dumps(info).encode()),
@@ -506,7 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", default=None, help="py-spy profile of the gateway (stub part)")
     for hidden in ("--serve-gateway", "--serve-engine", "--serve-stub", "--no-fsync"):
         ap.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--engine", "--model", "--store", "--spool", "--transport", "--cpu"):
+    for hidden in ("--engine", "--model", "--store", "--spool", "--transport", "--cpu",
+                   "--max-context"):  # fmt: skip
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.cpu = int(args.cpu) if args.cpu is not None else None

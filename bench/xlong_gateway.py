@@ -1,6 +1,8 @@
 """xLong gateway bench: one chat session of many calls growing ~2K tokens a call through the
 real gateway (fsync on) on bench/gateway.py's stub engine; per-call gateway CPU, body bytes
-and orjson's parse of the body (the protocol's floor) at points along the session.
+and orjson's parse of the body (the protocol's floor) at points along the session; the gateway
+process's resident memory growth per context token (VmRSS from /proc) and the TITO parquet
+bytes on the store per unique token.
 
     .venv/bin/python bench/xlong_gateway.py [--quick] [--json PATH]
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import sys
 import time
 
@@ -19,9 +23,25 @@ sys.path.insert(0, ROOT)
 from bench import gateway as gwb  # noqa: E402  (the stub engine, processes, admin calls)
 
 WORDS = 1000  # ~2K tokens of user text per call
-# bench/gateway.py's stub engine advertises max_context_length 32768 (its _serve_stub): until
-# it advertises more, the session stops below that, and the "1m" figures are the last call's
-STUB_MAX_CONTEXT = 32768
+STUB_MAX_CONTEXT = 1_200_000  # what the stub engine advertises (bench/gateway.py --max-context)
+
+
+def _rss_bytes(pid: int) -> int:
+    """Resident set of a process (VmRSS in /proc/PID/status), bytes."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _parquet_bytes(root: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root)
+        for f in files
+        if f.endswith(".parquet")
+    )
 
 
 def measure(quick: bool) -> dict:
@@ -36,12 +56,13 @@ def measure(quick: bool) -> dict:
     model = make_tiny_model()
     procs = gwb._Procs(model)
     try:
-        stub_url, _ = procs.spawn("--serve-stub")
-        url, _ = procs.gateway("xlong", stub_url)
+        stub_url, _ = procs.spawn("--serve-stub", "--max-context", str(STUB_MAX_CONTEXT))
+        url, gw_proc = procs.gateway("xlong", stub_url)
         key = gwb._keys(url, 1)[0]
         cl = httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=120)
         msgs: list[dict] = [{"role": "system", "content": "You are a terse agent."}]
         curve = []
+        rss0 = out_tokens = 0
         for i in range(calls):
             if curve and curve[-1]["tokens"] + 3 * words + 64 > STUB_MAX_CONTEXT:
                 break
@@ -61,21 +82,40 @@ def measure(quick: bool) -> dict:
                 {"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""}
             )
             ctx = reply["usage"]["prompt_tokens"]
+            out_tokens = reply["usage"]["completion_tokens"]
+            rss = _rss_bytes(gw_proc.pid)
+            rss0 = rss0 or rss  # after the first call: tokenizer, template, threads warm
             curve.append({"call": i, "tokens": ctx, "cpu_ms": 1e3 * cpu, "body_bytes": len(body),
-                          "parse_ms": parse_ms})  # fmt: skip
+                          "parse_ms": parse_ms, "rss_mb": rss / 2**20})  # fmt: skip
+        rss_growth = _rss_bytes(gw_proc.pid) - rss0
+        stats = gwb._admin(url, "GET", "/gyre/stats")
     finally:
-        procs.close()
+        procs.close()  # the gateway flushes its TITO records to the store on exit
+    store = os.path.join(procs.tmp, "xlong", "store")
+    tito_bytes = _parquet_bytes(store)
+    shutil.rmtree(procs.tmp, ignore_errors=True)
 
     def near(n: int) -> dict:
-        return min(curve, key=lambda c: abs(c["tokens"] - n))
+        """The call nearest ``n`` tokens, its CPU and parse times the medians of the calls
+        around it (up to 5: one call's CPU on a shared 2-core machine is noisy)."""
+        i = min(range(len(curve)), key=lambda j: abs(curve[j]["tokens"] - n))
+        win = curve[max(0, min(i - 2, len(curve) - 5)) : max(0, min(i - 2, len(curve) - 5)) + 5]
+        med = {k: statistics.median(c[k] for c in win) for k in ("cpu_ms", "parse_ms")}
+        return {**curve[i], **med}
 
     pts = {n: near(n) for n in (1_000, 10_000, 100_000, 300_000, 1_000_000)}
-    last, ten = curve[-1], pts[10_000]
+    last, ten = pts[1_000_000], pts[10_000]
+    unique = curve[-1]["tokens"] + out_tokens  # one linear session: every token once
+    grown = curve[-1]["tokens"] - curve[0]["tokens"]  # context since the RSS baseline
     return {
         "xlong_gateway_calls": calls,
-        "xlong_gateway_tokens_max": last["tokens"],
+        "xlong_gateway_tokens_max": curve[-1]["tokens"],
         "xlong_gateway_cpu_ms_1m_over_10k": last["cpu_ms"] / max(ten["cpu_ms"], 1e-9),
         "xlong_gateway_cpu_over_parse_1m": last["cpu_ms"] / max(last["parse_ms"], 1e-9),
+        "xlong_gateway_resident_bytes_per_token": rss_growth / max(1, grown),
+        "xlong_gateway_rss_growth_mb": rss_growth / 2**20,
+        "xlong_gateway_tito_bytes_per_token": tito_bytes / max(1, unique),
+        "xlong_gateway_tail_parses": stats.get("gateway/chat_tail_parses", 0),
         "curve": {str(n): p for n, p in pts.items()},
     }
 
@@ -88,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = measure(args.quick)
     for n, p in out["curve"].items():
         print(f"{n:>9} tokens={p['tokens']:>8} cpu_ms={p['cpu_ms']:7.2f} "
-              f"body={p['body_bytes']:>9} parse_ms={p['parse_ms']:6.2f}")  # fmt: skip
+              f"body={p['body_bytes']:>9} parse_ms={p['parse_ms']:6.2f} rss_mb={p['rss_mb']:7.1f}")  # fmt: skip
     print(json.dumps({k: v for k, v in out.items() if k != "curve"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:

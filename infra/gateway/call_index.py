@@ -104,6 +104,8 @@ class SessionCalls:
         self._head_rids: list[str] = []
         # the chat chain keys of the last call's messages (infra/gateway/chat.py: message_chain)
         self.chain_memo = ChainMemo()
+        # the last chat body, for parsing only what the next one adds (infra/gateway/chat_body.py)
+        self.body_memo = None
 
     def __len__(self) -> int:
         return len(self.calls)

@@ -50,10 +50,12 @@ __all__ = [
     "build_chat_input",
     "build_token_input",
     "digest",
+    "extend_chat_input",
     "normalize_messages",
     "parse_output",
     "reply_key",
     "template_messages",
+    "tools_key",
 ]
 
 
@@ -317,6 +319,11 @@ def reply_key(content: str | None, tool_calls: list[dict] | None) -> bytes:
     return _canon(d)
 
 
+def tools_key(tools: list | None) -> bytes:
+    """Canonical bytes of a call's tools (what the chain keys start from)."""
+    return _canon(tools or [])
+
+
 def _chain(prev: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(prev + data, digest_size=16).digest()
 
@@ -356,7 +363,7 @@ def message_chain(
             same += 1
         keys = old_keys[: same + 1]
     else:
-        keys = [_chain(b"tools", _canon(tools))]
+        keys = [_chain(b"tools", tools_key(tools))]
     for m in messages[same:]:
         keys.append(_chain(keys[-1], message_key(m)))
     if memo is not None:
@@ -440,32 +447,71 @@ def find_by_reply(
     return None
 
 
+def _extend(
+    tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], k: int, rid: str, tools
+) -> ChatInput | None:
+    """Call ``rid``'s context + output as generated + the template's text after its reply
+    ``messages[k]``; None when the template is not prefix-stable there."""
+    text = tok.suffix_after_reply(messages, k, tools)  # starts at the reply's <|im_end|>
+    if text is None:
+        return None
+    if calls.calls[rid].ended_im_end:  # the output already holds <|im_end|>: keep that id
+        text = text[len(tok.im_end) :]
+    suffix = np.asarray(tok.encode(text), dtype=np.int32)
+    ids = np.concatenate([calls.context(rid), suffix])
+    parent, n, hashes = calls.find_parent(ids, hint=rid)
+    return ChatInput(ids, parent, n, "extend", hashes=hashes)
+
+
 def build_chat_input(
     tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], tools: list | None
 ) -> ChatInput:
     """Token ids for a chat call: extend an earlier call exactly, else template everything."""
     keys = message_chain(messages, tools, calls.chain_memo)
-    ids: np.ndarray | None = None
-    hint = None
-    mode = "branch"
     found = find_by_reply(calls, keys, messages)
     after, at = found if found is not None else (None, 0)
-    if found is not None:
-        rid, k = found
-        c = calls.calls[rid]
-        text = tok.suffix_after_reply(messages, k, tools)  # starts at the reply's <|im_end|>
-        if text is not None:
-            if c.ended_im_end:  # the output already holds <|im_end|>: keep the generated id
-                text = text[len(tok.im_end) :]
-            suffix = np.asarray(tok.encode(text), dtype=np.int32)
-            ids = np.concatenate([calls.context(rid), suffix])
-            hint, mode = rid, "extend"
-    if ids is None:
+    inp = _extend(tok, calls, messages, at, after, tools) if found is not None else None
+    if inp is None:
         ids = np.asarray(tok.encode(tok.render(messages, tools, True)), dtype=np.int32)
-    parent, k, hashes = calls.find_parent(ids, hint=hint)
-    return ChatInput(
-        ids, parent, k, mode, msg_key=keys[-1], hashes=hashes, after=after, after_at=at
-    )
+        parent, k, hashes = calls.find_parent(ids)
+        inp = ChatInput(ids, parent, k, "branch", hashes=hashes)
+    inp.msg_key, inp.after, inp.after_at = keys[-1], after, at
+    return inp
+
+
+def extend_chat_input(
+    tok: ChatTokenizer,
+    calls: SessionCalls,
+    head: dict,
+    t: int,
+    new: list[dict],
+    tools: list | None,
+    msg_key: bytes,
+) -> ChatInput | None:
+    """`build_chat_input` for messages whose first ``t`` are the session's last chat body's
+    (chain key ``msg_key``, first message ``head``) and whose others are ``new``: the same
+    answer from them alone, or None when that needs the whole list (no reply of an earlier
+    call among the new messages, a template whose turns depend on the history, a template
+    not prefix-stable there: `build_chat_input` on the whole list decides)."""
+    if not tok.message_local:
+        return None
+    keys = [msg_key]  # keys[j]: messages[:t + j]
+    for m in new:
+        keys.append(_chain(keys[-1], message_key(m)))
+    for j in range(len(new) - 1, -1, -1):
+        m = new[j]
+        if m.get("role") != "assistant":
+            continue
+        rid = calls.by_reply(keys[j], digest(message_key(m)))
+        if rid is None:
+            continue
+        # a message-local template reads messages[0] and messages[k:] only
+        inp = _extend(tok, calls, [head, *new[j:]], 1, rid, tools)
+        if inp is None:
+            return None
+        inp.msg_key, inp.after, inp.after_at = keys[-1], rid, t + j
+        return inp
+    return None
 
 
 def build_token_input(calls: SessionCalls, ids: list[int] | np.ndarray) -> ChatInput:

@@ -91,6 +91,7 @@ class GatewayCore:
             "tokens_out": 0,
             "retries": 0,
             "prefix_handles": 0,
+            "chat_tail_parses": 0,  # chat bodies parsed from where the last one ended
         }
 
     def close(self, *, flush: bool = True) -> None:

@@ -18,12 +18,17 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from infra.gateway.chat import (
+    ChatInput,
     ChatInputError,
+    SessionCalls,
     build_chat_input,
     build_token_input,
+    extend_chat_input,
     normalize_messages,
     template_messages,
+    tools_key,
 )
+from infra.gateway.chat_body import body_memo, parse_tail
 from infra.gateway.replies import (
     chat_body,
     chat_logprobs,
@@ -204,19 +209,44 @@ class GatewayApp:
     async def chat(self, req: Request, send: Send) -> None:
         gw = self.gw
         s = self.session_of(req)
-        body = parse_body(ChatRequest, await req.body(gw.max_body_bytes))
+        raw = await req.body(gw.max_body_bytes)
+        # only what is new since the session's last chat body, when it extends that one
+        tail = parse_tail(raw, gw.session_calls(s).body_memo)
+        body = tail.request if tail is not None else parse_body(ChatRequest, raw)
         model = self.check_model(body.model)
         gp = body.gen_params()
         messages, tools, tok = template_messages(body.messages), body.tools, gw.tok
+        whole: list[ChatRequest] = []  # the whole body, when the new messages were not enough
+
+        def build(calls: SessionCalls) -> ChatInput:
+            nonlocal messages
+            inp, fast = None, tail
+            if tail is not None:
+                m = tail.memo
+                inp = extend_chat_input(tok, calls, m.head, tail.t, messages, tools, m.msg_key)
+                if inp is None:
+                    whole.append(parse_body(ChatRequest, raw))
+                    messages, fast = template_messages(whole[0].messages), None
+                else:
+                    calls.chain_memo.state = None  # its messages: not kept twice
+            if inp is None:
+                inp = build_chat_input(tok, calls, messages, tools)
+            if tok.message_local:
+                head = tail.memo.head if fast is not None else messages[0]
+                got = whole[0] if whole else body
+                key = tools_key(tools)
+                calls.body_memo = body_memo(raw, got, head, key, inp.msg_key, fast)
+            return inp
+
         call = await gw.pipeline.open(
-            s,
-            "chat",
-            lambda calls: build_chat_input(tok, calls, messages, tools),
-            gp=gp,
-            param="messages",
-            parse_tools=body.parse_tools,
+            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools
         )
-        call.request_json = body.request_json(call.inp.after, call.inp.after_at)
+        after, at = call.inp.after, call.inp.after_at
+        gw.counters["chat_tail_parses"] += tail is not None and not whole
+        if whole:
+            call.request_json = whole[0].request_json(after, at)
+        else:
+            call.request_json = body.request_json(after, at, tail.t if tail is not None else 0)
         if gp.stream:
             return await pump(gw, call, ChatStream(tok, call, model), send, req.receive)
         a = await gw.pipeline.run(call)

@@ -309,7 +309,7 @@ class ChatRequest(OpenAISampling):
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def request_json(self, after: str | None, at: int) -> str:
+    def request_json(self, after: str | None, at: int, offset: int = 0) -> str:
         """The request as the harness sent it, for the TITO record's ``request_json``: its
         messages (each as sent) and tools. When the messages extend an earlier call ``after``
         (``messages[:at]`` are that call's messages, ``messages[at]`` its reply as the harness
@@ -320,9 +320,14 @@ class ChatRequest(OpenAISampling):
         about N/2 times its size: for a 1M-token one, gigabytes), where TITO stores each token
         once. The gateway knows
         ``after`` already (it is how it extends a call token-exactly), so the delta is free;
-        a call's full list is its ``after`` chain's lists, concatenated from the root."""
+        a call's full list is its ``after`` chain's lists, concatenated from the root.
+
+        ``offset``: this request holds only ``messages[offset:]`` (a body parsed from where
+        the session's previous one ended, infra/gateway/chat_body.py); ``at`` >= ``offset``."""
         d: dict[str, Any] = {"after": after} if after is not None else {}
-        start = at if after is not None else 0
+        start = (at if after is not None else 0) - offset
+        if start < 0:
+            raise ValueError(f"request_json from message {start + offset}: only {offset}.. held")
         d["messages"] = [m.model_dump(exclude_unset=True) for m in self.messages[start:]]
         if self.tools is not None:
             d["tools"] = self.tools

@@ -15,7 +15,9 @@ What the installed torch (2.13.0+cpu) does on CPU with gloo, checked by running 
   every shard (equal on all members), so clipping matches one replica.
 - AdamW over ``DTensor`` parameters: works (each member updates its own shard).
 - DCP ``save`` / ``load`` of ``get_state_dict(model, optim)`` and ``set_state_dict``:
-  work, and reshard on load into a group of another size (2 -> 3 -> 1, tested).
+  work, and reshard on load into a group of another size (2 -> 3 -> 1, bit for bit,
+  tested). ``dcp.load`` writes into the model's and optimizer's own shards in place
+  (``set_state_dict`` after it changes nothing here; kept, as the documented path).
 - DCP through fsspec: ``FsspecWriter`` / ``FsspecReader`` exist only in the private module
   ``torch.distributed.checkpoint._fsspec_filesystem`` (not exported from
   ``torch.distributed.checkpoint``); they work with ``file://`` (and any fsspec protocol).
@@ -30,11 +32,14 @@ and hang. So the whole model is one FSDP unit and a step is gradient accumulatio
 sync: one all-gather (``unshard``) at the start, the member's own micro-batches with no
 collective at all, then one *sync pass* (a 1-token forward through ``model.forward`` whose
 backward adds zeros) on every member, in which FSDP2 reduce-scatters the accumulated
-gradients and reshards. At rest (between steps) a member holds 1/k of weights and AdamW
-state; during a step it holds the full weights and gradients plus 1/k of the optimizer
-state (ZeRO-style peak: (2 + 2/k)/4 of a replica's 4 units of weights, gradients and two
-moments). Per-layer units (a peak of ~1/k) need every member to run the same micro-batch
-schedule (padding with zero-weight micro-batches): not done.
+gradients and reshards. At rest (between steps) a member holds 1/k of the weights and
+AdamW state (measured: bench/sharded.py); during a step it also holds the gathered full
+weights and gradients, a peak of (2 + 3/k)/4 of a replica's (weights, gradients and two
+moments: 4 units; 0.875 at k = 2, 0.69 at k = 4). Per-layer units (a peak of ~1/k) need
+every member to run the same micro-batch schedule (padding with zero-weight micro-batches):
+not done. Nor are: a new member building its trainer on the meta device (it loads the full
+base checkpoint, then shards it), and sharding the frozen KL reference (``kl_coef > 0``
+keeps a full reference on every member).
 
 Membership changes: an FSDP model is bound to its group's mesh, so every member of a new
 group (survivors too) builds a fresh trainer from the base checkpoint, shards it over the new
@@ -51,7 +56,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -126,6 +131,7 @@ def sharded_step(
     rank: int,
     world: int,
     current_version: int | None = None,
+    before_reduce: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """One optimizer step of a sharded trainer on the whole batch ``samples`` (the same list,
     in the same order, on every member; stale tokens already dropped by the caller).
@@ -134,7 +140,10 @@ def sharded_step(
     batch's flat trainable-token count, and accumulates its gradients on the gathered
     model; the sync pass sums them over members into shards; ``Trainer.step`` then clips by
     the global norm over shards and applies AdamW to each shard. Returns this member's
-    ``train/*`` metrics (sum them over members with ``dp.DPGroup.reduce_metrics``)."""
+    ``train/*`` metrics (sum them over members with ``dp.DPGroup.reduce_metrics``).
+    ``before_reduce``: called once this member's own gradients are accumulated, before the
+    sync pass (a paced member sleeps out its device time there, as ``reduce_grads`` does in
+    the replicated step)."""
     if not is_sharded(trainer):
         raise ShardedError("sharded_step needs a sharded trainer: shard_trainer(trainer) first")
     if world != dist.get_world_size() or not 0 <= rank < world:
@@ -148,6 +157,8 @@ def sharded_step(
     model = trainer.model
 
     def reduce(m: torch.nn.Module) -> None:
+        if before_reduce is not None:
+            before_reduce()
         _sync_pass(m, trainer.device)
         if n_flat == 0:  # no loss term on any member: no update, as one replica skips it
             for p in m.parameters():

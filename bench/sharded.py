@@ -16,7 +16,7 @@ a pretrained one) and synthetic branching sessions as the batch. Figures (top-le
 - ``sharded_step_over_replicated``: step time at k = 2, sharded / replicated DP (median of
   interleaved steps; the replicated step sums gradients with ``dp.DPGroup.reduce_grads``).
 
-    python bench/sharded.py [--quick] [--json PATH] [--model smollm2|PATH]
+    python bench/sharded.py [--quick] [--json PATH] [--model smollm2|PATH] [--parts step]
 """
 
 from __future__ import annotations
@@ -190,53 +190,74 @@ def replica_reference(model_dir: str, spec: dict, seed: int):
     return t, g
 
 
-def bench(model_dir: str, *, quick: bool, spec: dict, repeats: int) -> dict:
+PARTS = ("state", "regroup", "step")
+
+
+def bench(
+    model_dir: str, *, quick: bool, spec: dict, repeats: int, parts: tuple[str, ...] = PARTS
+) -> dict:
     res: dict = {"model": model_dir, "quick": quick, **{f"batch_{k}": v for k, v in spec.items()}}
     tmp = tempfile.mkdtemp(prefix="gyre-bench-sharded-")
     ks = (1, 2, 4)
-    members = Members(max(ks), model_dir, spec)
+    n_procs = max(ks) if "state" in parts else 3 if "regroup" in parts else 2
+    members = Members(n_procs, model_dir, spec)
     try:
-        # state bytes at rest, after one step (AdamW moments exist), at k = 1, 2, 4
-        ref, ref_grads = replica_reference(model_dir, spec, 0)
-        replica_bytes = sharded.state_bytes(ref)
-        res["replica_state_bytes"] = replica_bytes
-        for k in ks:
-            outs = members.run(list(range(k)), [("build", None), ("step", 0), ("bytes", "sharded")])
-            ratio = max(o["bytes"] for o in outs) / replica_bytes
-            res[f"sharded_state_bytes_per_member_over_replica_k{k}"] = ratio
-            if k == 2:
-                res["sharded_state_bytes_per_member_over_replica"] = ratio
-                res["sharded_grad_max_rel_diff"] = max(
-                    float(np.abs(outs[0]["grads"][n] - g).max() / max(np.abs(g).max(), 1e-30))
-                    for n, g in ref_grads.items()
-                )
-        # regroup 2 -> 3 -> 1: save, reshard (fresh trainer + load), first step
-        s1, s2 = os.path.join(tmp, "s1"), "file://" + os.path.join(tmp, "s2")
-        g0 = members.run([0, 1], [("build", None), ("step", 0), ("save", s1)])
-        g1 = members.run([0, 1, 2], [("build", None), ("load", s1), ("step", 1), ("save", s2)])
-        g2 = members.run([1], [("build", None), ("load", s2), ("step", 2)])
-        save = _times(g0, "save") + _times(g1, "save")
-        load = sum(_times(g, "build") + _times(g, "load") for g in (g1, g2))
-        first = _times(g1, "step") + _times(g2, "step")
-        res.update(
-            sharded_regroup_s=save + load + first,
-            sharded_regroup_save_s=save,
-            sharded_regroup_load_s=load,
-            sharded_regroup_step_s=first,
-        )
-        # step time at k = 2: sharded vs replicated, interleaved
-        ops = [("build", None), ("replica", None)]
-        for i in range(repeats + 1):  # the first of each is a warm-up
-            ops += [("tstep", 20 + i), ("rstep", 20 + i)]
-        outs = members.run([0, 1], ops)
-        ts = _each(outs, "tstep")[1:]
-        tr = _each(outs, "rstep")[1:]
-        res["sharded_step_s"] = statistics.median(ts)
-        res["replicated_step_s"] = statistics.median(tr)
-        res["sharded_step_over_replicated"] = res["sharded_step_s"] / res["replicated_step_s"]
+        if "state" in parts:
+            _state_part(members, model_dir, spec, ks, res)
+        if "regroup" in parts:
+            _regroup_part(members, tmp, res)
+        if "step" in parts:
+            _step_part(members, repeats, res)
     finally:
         members.close()
     return res
+
+
+def _state_part(members: Members, model_dir: str, spec: dict, ks, res: dict) -> None:
+    """State bytes at rest after one step (AdamW moments exist) at each k; the gradients."""
+    ref, ref_grads = replica_reference(model_dir, spec, 0)
+    replica_bytes = sharded.state_bytes(ref)
+    res["replica_state_bytes"] = replica_bytes
+    for k in ks:
+        outs = members.run(list(range(k)), [("build", None), ("step", 0), ("bytes", "sharded")])
+        ratio = max(o["bytes"] for o in outs) / replica_bytes
+        res[f"sharded_state_bytes_per_member_over_replica_k{k}"] = ratio
+        if k == 2:
+            res["sharded_state_bytes_per_member_over_replica"] = ratio
+            res["sharded_grad_max_rel_diff"] = max(
+                float(np.abs(outs[0]["grads"][n] - g).max() / max(np.abs(g).max(), 1e-30))
+                for n, g in ref_grads.items()
+            )
+
+
+def _regroup_part(members: Members, tmp: str, res: dict) -> None:
+    """2 -> 3 -> 1: save, reshard (fresh trainer + load), first step."""
+    s1, s2 = os.path.join(tmp, "s1"), "file://" + os.path.join(tmp, "s2")
+    g0 = members.run([0, 1], [("build", None), ("step", 0), ("save", s1)])
+    g1 = members.run([0, 1, 2], [("build", None), ("load", s1), ("step", 1), ("save", s2)])
+    g2 = members.run([1], [("build", None), ("load", s2), ("step", 2)])
+    save = _times(g0, "save") + _times(g1, "save")
+    load = sum(_times(g, "build") + _times(g, "load") for g in (g1, g2))
+    first = _times(g1, "step") + _times(g2, "step")
+    res.update(
+        sharded_regroup_s=save + load + first,
+        sharded_regroup_save_s=save,
+        sharded_regroup_load_s=load,
+        sharded_regroup_step_s=first,
+    )
+
+
+def _step_part(members: Members, repeats: int, res: dict) -> None:
+    """Step time at k = 2: sharded vs replicated, interleaved in one generation."""
+    ops = [("build", None), ("replica", None)]
+    for i in range(repeats + 1):  # the first of each is a warm-up
+        ops += [("tstep", 20 + i), ("rstep", 20 + i)]
+    outs = members.run([0, 1], ops)
+    ts = _each(outs, "tstep")[1:]
+    tr = _each(outs, "rstep")[1:]
+    res["sharded_step_s"] = statistics.median(ts)
+    res["replicated_step_s"] = statistics.median(tr)
+    res["sharded_step_over_replicated"] = res["sharded_step_s"] / res["replicated_step_s"]
 
 
 def main() -> None:
@@ -244,22 +265,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small batch, 2 repeats (< 1 min)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--model", default="tiny", help="tiny (default), smollm2, or a local HF dir")
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which figures: state (bytes per member, gradient agreement; 4 processes), "
+        "regroup (3), step (2; the one that fits memory for a pretrained model)",
+    )
     args = ap.parse_args()
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if bad := [p for p in parts if p not in PARTS]:
+        ap.error(f"--parts {','.join(bad)}: use some of {','.join(PARTS)}")
     if args.model == "tiny":
         from infra.engine.tiny_model import make_tiny_model
 
-        model_dir, vocab = make_tiny_model(), None
+        model_dir = make_tiny_model()
     elif os.path.isdir(args.model):
-        model_dir, vocab = args.model, None
+        model_dir = args.model
     else:
         from infra.engine.pretrained import prepare
 
-        model_dir, vocab = prepare(args.model), None
+        model_dir = prepare(args.model)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     spec = {"n": 4 if args.quick else 8, "vocab": vocab, "n_calls": 4 if args.quick else 8}
-    res = bench(model_dir, quick=args.quick, spec=spec, repeats=2 if args.quick else 5)
+    res = bench(model_dir, quick=args.quick, spec=spec, repeats=2 if args.quick else 5, parts=parts)
     rows = [
         ("state bytes/member over replica, k=1", "sharded_state_bytes_per_member_over_replica_k1"),
         ("state bytes/member over replica, k=2", "sharded_state_bytes_per_member_over_replica_k2"),
@@ -275,8 +305,8 @@ def main() -> None:
     ]
     print(f"sharded training on {model_dir}")
     for label, key in rows:
-        v = res[key]
-        print(f"  {label:<40} {v:.3g}")
+        if key in res:
+            print(f"  {label:<40} {res[key]:.3g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "sharded", **res}, f, indent=2)

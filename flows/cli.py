@@ -310,6 +310,17 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    """A TCP port for argparse: 1-65535, else a usage error naming the value."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flows.config import PRESETS, preset_help  # pure and light: pydantic + the sections
 
@@ -368,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="engine + gateway on loopback for your own harness")
     s.add_argument("--model", help="local HF checkpoint dir (default: the tiny model)")
     s.add_argument("--store", default=DEFAULT_STORE)
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="the gateway's port (1-65535)")
     s.add_argument(
         "--run-id",
         help="run id of the served calls (default 'serve'; the same store and run id "
@@ -419,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("action", choices=["new"])
     n.add_argument("--url", help="gateway URL (default: the one live `gyre serve`)")
     n.add_argument("--admin-token")
-    n.add_argument("--port", type=int, help="pick the `gyre serve` on this port")
+    n.add_argument("--port", type=_port, help="pick the `gyre serve` on this port")
     n.set_defaults(fn=cmd_session)
     return p
 

@@ -167,9 +167,32 @@ def export_run(
     """Write the run's branch rows to ``out``; returns the number of rows."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    _check_out(out)
     rows = branch_rows(store, run_id, advantage=advantage)
-    pq.write_table(pa.Table.from_pylist(rows, schema=EXPORT_SCHEMA), out, compression="zstd")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=EXPORT_SCHEMA), out, compression="zstd")
+    except OSError as exc:
+        raise ExportError(f"--out {out!r}: cannot write it: {exc}") from exc
     return len(rows)
+
+
+def _check_out(out: str) -> None:
+    """``--out`` names a file that can be written: not a directory, in a directory that
+    exists and is writable (checked before the run's rows are read)."""
+    import os
+
+    if "://" in out:  # an object-store URL: its filesystem says when writing
+        return
+    path = os.path.abspath(os.path.expanduser(out))
+    if os.path.isdir(path):
+        raise ExportError(
+            f"--out {out!r} is a directory: name a file, e.g. {out.rstrip('/')}/run.parquet"
+        )
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ExportError(f"--out {out!r}: its directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"--out {out!r}: its directory {parent} is not writable")
 
 
 def main_export(args) -> int:

@@ -134,6 +134,42 @@ def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> i
         return _serve(model, store, port, run_id, stop)
 
 
+def served_version(store, run_id: str, engine, model_dir: str) -> int:
+    """The committed version of ``run_id`` whose weights the engine loaded, newest first,
+    by weights digest (never by the directory's name or a default): every answer is
+    recorded with it. A version stored without a digest (a copied model) gets one,
+    computed from its files. Raises ServeError when the weights are none of the run's."""
+    from storage.checkpoints import fetch_checkpoint, put_digest, stored_digest, versions
+
+    digest = engine.weights_digest()
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    have = versions(store, run_id)
+    for v in reversed(have):
+        got = stored_digest(store, run_id, v)
+        if got is None:
+            got = _digest_of(fetch_checkpoint(store, run_id, v), dtype)
+            put_digest(store, run_id, v, got, dtype)
+        if got == digest:
+            return v
+    raise ServeError(
+        f"--model {model_dir}: its weights are none of run {run_id!r}'s committed versions "
+        f"(v{have[0]}..v{have[-1]}), so its answers would be recorded under the wrong "
+        "version: serve a checkpoint of this run (its store's checkpoints/<run>/v<N>), or "
+        "give a new --run-id"
+    )
+
+
+def _digest_of(ckpt_dir: str, dtype: str) -> str:
+    """The weights digest of a local checkpoint loaded as the engine loads it (``dtype``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from storage.checkpoints import weights_digest
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=getattr(torch, dtype))
+    return weights_digest(model)
+
+
 def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Event) -> int:
     """The server's life, while this process holds the run's lease."""
     import secrets
@@ -142,12 +178,16 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
     from infra.engine.server import EngineServer
     from infra.engine.tiny_model import make_tiny_model
     from infra.gateway.gateway import Gateway
-    from storage.checkpoints import publish_checkpoint, versions
+    from storage.checkpoints import publish_checkpoint, put_digest, versions
 
     model_dir = model or make_tiny_model()
+    print(f"gyre serve: loading {model_dir}", flush=True)
+    engine = Engine(model_dir, cell_id="serve")
     if not versions(store, run_id):  # the run's v0: the tokenizer its tokens decode with,
         publish_checkpoint(store, run_id, model_dir, 0)  # and where --from-served starts
-    engine = Engine(model_dir, cell_id="serve")
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        put_digest(store, run_id, 0, engine.weights_digest(), dtype)
+    engine.name_version(served_version(store, run_id, engine, model_dir))
     server = EngineServer(engine)
     token = secrets.token_urlsafe(24)
     spool = spool_dir(store.url, run_id)

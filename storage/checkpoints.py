@@ -231,3 +231,23 @@ def read_digest(ckpt_dir: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) and "sha256" in rec else None
+
+
+def stored_digest(store: Store, run_id: str, version: int) -> str | None:
+    """The weights digest (``DIGEST_FILE``) of a committed version in the store, or None
+    (a copied model: no digest was written with it)."""
+    rel = f"{checkpoint_relpath(run_id, version)}/{DIGEST_FILE}"
+    if not store.exists(rel):
+        return None
+    try:
+        rec = json.loads(store.read_bytes(rel))
+    except (OSError, ValueError):
+        return None
+    return rec.get("sha256") if isinstance(rec, dict) else None
+
+
+def put_digest(store: Store, run_id: str, version: int, digest: str, dtype: str) -> None:
+    """Record a committed version's weights digest in the store (for a version copied in
+    without one, once it has been computed)."""
+    body = json.dumps({"sha256": digest, "dtype": dtype}).encode()
+    store.write_bytes(f"{checkpoint_relpath(run_id, version)}/{DIGEST_FILE}", body)

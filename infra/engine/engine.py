@@ -432,6 +432,12 @@ class Engine:
         kv = kv.to(device=self.device, dtype=self.dtype)
         return self._run_command(lambda: self._cache_insert(ids, kv, partial=True))
 
+    def name_version(self, version: int) -> None:
+        """The policy version the loaded weights are (a checkpoint identified by its
+        weights digest, flows/serve.py): what every answer reports until the next
+        ``update_weights``. Call before serving."""
+        self._weight_version = int(version)
+
     def weights_digest(self) -> str:
         """sha256 of the weights being served (storage/checkpoints.py ``weights_digest``),
         computed once per loaded model: what a weight sync checks against the checkpoint."""

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from tasks.env.suite import check_harness, check_suite
+from tasks.env.suite import BUILTIN_SUITES, check_harness, check_suite
 
 
 class RolloutConfig(BaseModel):
@@ -65,7 +65,8 @@ class RolloutConfig(BaseModel):
     # last: their checks use the options above (pydantic validates fields in order)
     suite: str = Field(
         "arith",
-        description="task suite: arith | tools | repo, or a dotted path 'package.module:Suite'",
+        description=f"task suite: {' | '.join(BUILTIN_SUITES)}, or a dotted path "
+        "'package.module:Suite'",
     )
     harness: str = Field(
         "builtin",

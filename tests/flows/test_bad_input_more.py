@@ -101,3 +101,28 @@ def test_nothing_to_train_is_said_before_anything_starts(tmp_path, how):
     _refused(res, "already has 2 steps", "nothing to train")
     assert "starting Prefect" not in res.stderr
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_serve_port_out_of_range_is_a_usage_error(tmp_path, port):
+    res = _gyre("serve", "--port", port, "--store", str(tmp_path / "s"))
+    _refused(res, "--port", "not a port number (1-65535)")
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("out", ["DIR", "/proc/x/run.parquet", "MISSING/run.parquet"])
+def test_export_out_that_cannot_be_written_is_refused(tmp_path, out):
+    store = Store(str(tmp_path / "s"))
+    publish_checkpoint(store, "r", str(_model_dir(tmp_path)), 0)
+    out = {"DIR": str(tmp_path), "MISSING/run.parquet": str(tmp_path / "no" / "run.parquet")}.get(
+        out, out
+    )
+    res = _gyre("export", "r", "--store", store.url, "--out", out)
+    _refused(res, "--out")
+
+
+def _model_dir(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    return d

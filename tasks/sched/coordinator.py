@@ -45,7 +45,16 @@ class CellView:
     ``busy``: a train cell is inside an optimizer step, or a rollout cell is
     loading new weights (its sessions are paused). ``sessions`` counts live
     agent sessions assigned to the cell (including ones rerouted to it and not
-    yet arrived). ``target`` is where a draining/loading cell is going.
+    yet arrived). ``target`` is where a draining/loading cell is going;
+    ``since`` when its last role change was decided (a cell in transit has been
+    on its way ``now - since`` s).
+
+    Arrivals, kept by the coordinator from the events executors send today:
+    ``arrived`` is when the cell got its current role (its last ``MoveDone``; 0
+    for the initial roles), ``move_s`` how long that move took (the event's
+    ``seconds``, else decision to arrival on the coordinator's clock; ``None``
+    for the initial roles), and ``fresh`` marks a train cell that has not yet
+    joined a step since it arrived: a recruit whose step has not started.
     """
 
     id: int
@@ -55,6 +64,9 @@ class CellView:
     weight_version: int = 0
     since: float = 0.0
     target: Role | None = None
+    arrived: float = 0.0
+    move_s: float | None = None
+    fresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +267,9 @@ class _Cell:
     weight_version: int = 0
     since: float = 0.0
     target: Role | None = None
+    arrived: float = 0.0
+    move_s: float | None = None
+    fresh: bool = False
 
 
 @dataclass
@@ -340,7 +355,10 @@ class Coordinator:
     # -- views
     def _view(self, i: int) -> CellView:
         c = self._cells[i]
-        return CellView(i, c.role, c.busy, c.sessions, c.weight_version, c.since, c.target)
+        return CellView(
+            i, c.role, c.busy, c.sessions, c.weight_version, c.since, c.target,
+            c.arrived, c.move_s, c.fresh,
+        )  # fmt: skip
 
     def _versions(self) -> tuple[VersionCount, ...]:
         out = []
@@ -427,9 +445,10 @@ class Coordinator:
             self._dirty.add(event.cell)
             c = self._cells[event.cell]
             assert c.target is not None, f"cell {event.cell} was not moving"
+            secs = self.now - c.since if event.seconds is None else event.seconds
             if self.costs is not None:
-                secs = self.now - c.since if event.seconds is None else event.seconds
                 (self.costs.drain if c.target == "train" else self.costs.to_rollout)(secs)
+            c.arrived, c.move_s, c.fresh = self.now, secs, c.target == "train"
             c.role, c.target, c.busy = c.target, None, False
             # a cell joining rollout gets the newest weights first; a train cell
             # holds the newest weights by construction
@@ -506,7 +525,7 @@ class Coordinator:
             for i in d.cells:
                 c = self._cells[i]
                 assert c.role == "train" and not c.busy, f"cell {i} cannot join a step"
-                c.busy = True
+                c.busy, c.fresh = True, False
             self.step_running = True
             self._step = (self.now, d.samples, tuple(d.cells))
             self.water_level -= d.samples

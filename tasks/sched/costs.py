@@ -50,7 +50,9 @@ class Costs:
     ``train_s_per_sample``, ``dp_sync_s``, ``regroup_s``: the step model's
     coefficients; ``steps``: steps measured (0: these are the config guess).
     ``drain_s``, ``to_rollout_s``, ``weight_load_s``: smoothed measurements,
-    ``None`` until the first one.
+    ``None`` until the first one. ``sizes``: the member counts measured steps had
+    (the first few, sorted): with one only, the split of a step's time into per-sample
+    and per-member cost is the guess's, not the run's (a policy may try a second size).
     """
 
     train_s_per_sample: float
@@ -60,6 +62,7 @@ class Costs:
     drain_s: float | None = None
     to_rollout_s: float | None = None
     weight_load_s: float | None = None
+    sizes: tuple[int, ...] = ()
 
     def step_seconds(self, samples: int, members: int, regroup: bool = False) -> float:
         """Predicted wall time of a step on ``samples`` over ``members`` cells."""
@@ -117,6 +120,7 @@ class CostEstimator:
     _res: list[float | None] = field(default_factory=lambda: [None, None])  # not / regrouped
     _drift: float = 0.0  # smoothed log change per step of the fit's prediction
     _steps: int = 0
+    _sizes: set[int] = field(default_factory=set)
     _drain: float | None = None
     _to_rollout: float | None = None
     _load: float | None = None
@@ -147,6 +151,8 @@ class CostEstimator:
             for j in range(2):
                 self._sxx[i][j] = g * self._sxx[i][j] + x[i] * x[j]
         self._steps += 1
+        if len(self._sizes) < 4:
+            self._sizes.add(members)
         before = self._theta
         self._theta = self._fit()
         a, b = self._theta
@@ -220,4 +226,5 @@ class CostEstimator:
             self._drain,
             self._to_rollout,
             self._load,
+            tuple(sorted(self._sizes)),
         )

@@ -43,6 +43,7 @@ from tasks.sched.waterlevel import Marks, best_members, dp_step_seconds, due_sig
 
 SLACK = 0.02  # see Elastic._target_members
 TRIP_SHARE = 0.05  # see Elastic._target_members
+PATIENCE = 4.0  # a recruit this many times later than expected is not waited for
 
 
 def step_costs(policy, s: SchedState) -> tuple[float, float]:
@@ -215,11 +216,24 @@ class Elastic:
       gate's oldest rollout and the water): ``eta <= marks.low`` staffs
       training up to the fastest DP size; ``eta >= marks.high`` lends idle
       train cells to rollout while admitted rollouts lack a slot; in between
-      nothing moves (hysteresis), and a cell keeps a role ``min_dwell_s``.
-    - a step starts with the idle train cells at once unless waiting for more
-      (those on their way arrive within ``marks.low``, others as their
-      sessions end) makes it end sooner; while it waits only the core takes
-      new rollouts (backpressure), so the other cells empty out.
+      nothing moves (hysteresis), and a cell keeps a role ``min_dwell_s``; a
+      train cell is lent back only once it has joined a step since arriving
+      and its own round trip (its measured drain plus the calibrated way back)
+      has passed since it arrived (``lend_guard``).
+    - cells in transit (issue 25): a recruit arrives at its measured arrival
+      time (the run's calibrated drain, ``Costs.drain_s``: call boundaries,
+      switch, the executor's own time; ``marks.low`` until one is measured),
+      less the time it has been on its way; training is staffed that long
+      before the step is due. A step starts with the idle train cells at once
+      unless waiting for more (those on their way at their arrival, others as
+      their sessions end) makes it end sooner -- but never while a recruit is
+      on its way to it (``wait_for_transit``): the recruit's trip is already
+      paid and cannot be called back, so starting without it wastes the whole
+      round trip for at most its remaining transit saved; only a recruit later
+      than ``PATIENCE`` times its expected arrival (a stuck drain) is no longer
+      waited for. Fresh recruits are members of the step they came for. While
+      it waits only the core takes new rollouts (backpressure), so the other
+      cells empty out.
     - boundary dispatch: a rollout cell leaves only if its sessions fit in free
       slots of cells that stay (each moves at its next call boundary, to a cell
       holding weights at least as new); the emptiest cells leave first and new
@@ -247,6 +261,12 @@ class Elastic:
     streaming: bool = True
     trip_in_sizing: bool = True
     window_from_run: bool = True
+    # issue 25's parts, each with its ablation: plan recruits at their measured arrival
+    # (else marks.low), wait for recruits in transit, lend back no cell within its trip
+    plan_transit: bool = True
+    wait_for_transit: bool = True
+    lend_guard: bool = True
+    explore: bool = True
     name: str = "elastic"
 
     def _trips_counted(self, s: SchedState) -> bool:
@@ -259,6 +279,65 @@ class Elastic:
         if c is not None and c.drain_s is not None and c.to_rollout_s is not None:
             return c.drain_s + c.to_rollout_s
         return self.marks.high - self.marks.low
+
+    def _explore(self, s: SchedState, m: int) -> int:
+        """A second DP size while every measured step had the same one (``Costs.sizes``):
+        one size cannot tell per-sample from per-member cost, and the guess's split
+        stays all run (its best size with it). The next size up, else down."""
+        c = s.costs
+        if not self.explore or c is None or c.sizes != (m,):
+            return m
+        if m + 1 <= len(s.cells) - self.core:
+            return m + 1
+        return max(1, m - 1)
+
+    def _arrival(self, s: SchedState) -> float:
+        """Seconds from a Move to training to the cell training: the run's measured drain
+        where known (``plan_transit``), never less than ``marks.low`` (the config's)."""
+        c = s.costs
+        if self.plan_transit and c is not None and c.drain_s is not None:
+            return max(self.marks.low, c.drain_s)
+        return self.marks.low
+
+    def _marks(self, s: SchedState) -> Marks:
+        """The marks with ``low`` at the measured arrival: staff training that early."""
+        arr = self._arrival(s)
+        if arr <= self.marks.low:
+            return self.marks
+        return Marks(arr, self.marks.high + arr - self.marks.low)
+
+    def _transit(self, s: SchedState) -> tuple[int, float]:
+        """Recruits on their way that a step must wait for, and the longest remaining wait.
+
+        Each arrives ``_arrival`` after its Move, less the time it has been on its way;
+        one later than ``PATIENCE`` times that is not counted on (a stuck drain must not
+        stall training; it still joins the step after it arrives).
+        """
+        if not self.wait_for_transit:
+            return 0, 0.0
+        arr = self._arrival(s)
+        n, wait = 0, 0.0
+        for c in s.cells:
+            if c.target == "train" and s.now - c.since <= PATIENCE * arr:
+                n += 1
+                wait = max(wait, arr - (s.now - c.since))
+        return n, max(0.0, wait)
+
+    def _lendable(self, s: SchedState, c: CellView) -> bool:
+        """An idle train cell may go back to rollout: its dwell is over and (``lend_guard``)
+        it has joined a step since arriving and its own round trip has passed since then
+        (its measured drain, ``move_s``, plus the calibrated way back)."""
+        if s.now - c.since < self.min_dwell_s:
+            return False
+        if not self.lend_guard:
+            return True
+        if c.fresh:
+            return False
+        co = s.costs
+        back = co.to_rollout_s if co is not None and co.to_rollout_s is not None else None
+        there = c.move_s if c.move_s is not None else self._arrival(s)
+        trip = there + (back if back is not None else self.marks.high - self.marks.low)
+        return s.now - c.arrived >= trip
 
     def initial_roles(self, n_cells: int) -> tuple[Role, ...]:
         if not 1 <= self.core < n_cells:
@@ -298,27 +377,37 @@ class Elastic:
                 moving = True
 
         # 1. the step: start with the idle train cells, unless waiting for the
-        # cells that can join within marks.low makes the step end sooner
+        # cells that can join (at their measured arrival) makes the step end
+        # sooner; never while a recruit is on its way to it
         leaving: set[int] = set()
         reserved: dict[int, int] = {}
         recruits: list[Decision] = []
         if ready:
+            m_best = self._explore(s, m_best)
+            n_transit, wait = self._transit(s)
             if n_train < m_best:
                 recruits = self._recruit(s, m_best - n_train, leaving, reserved)
             m_now = min(len(idle_train), m_best)
             m_soon = min(m_best, n_train + len(recruits))
-            if m_now and self._members(s, m_now, m_soon, m_best) == m_now:
+            m_wait = min(m_best, len(idle_train) + n_transit)  # here once the transit lands
+            m = self._members(s, m_now, m_soon, m_best, wait, n_transit > 0, m_wait)
+            if m_now and n_transit == 0 and m == m_now:
                 recruits, leaving, reserved = [], set(), {}  # not worth the wait
                 order = "oldest" if self.streaming else "index"
                 if m_now == m_best and self._trips_counted(s):
                     # cells already in training cost no further trip: use them
                     t, sync = step_costs(self, s)
                     m_now = min(len(idle_train), max(m_best, best_members(b, t, sync, n)))
+                # recruits that came for this step are its members, whatever the size
+                idle_train.sort(key=lambda c: not c.fresh)
+                m_now = max(m_now, sum(1 for c in idle_train if c.fresh))
                 out.append(StartStep(tuple(c.id for c in idle_train[:m_now]), b, order=order))
                 stepping = True
                 idle_train = idle_train[m_now:]
-            else:
+            elif m > m_wait:  # more cells than those already coming are worth the wait
                 out += recruits
+            else:
+                recruits, leaving, reserved = [], set(), {}
 
         # 2. waterlevel on the time until the next step can start: staff
         # training when it is near, lend its idle cells to rollout when far
@@ -327,7 +416,7 @@ class Elastic:
             out += self._recruit(s, m_best - n_train, leaving, reserved)
         elif sig < 0 and idle_train and allowed > 0 and not moving:
             _, _, short = _rollout_side(s, allowed)
-            spare = [c for c in idle_train if s.now - c.since >= self.min_dwell_s]
+            spare = [c for c in idle_train if self._lendable(s, c)]
             for g in self._blocks(spare):
                 if short <= 0:
                     break
@@ -412,26 +501,40 @@ class Elastic:
         else:
             due = s.finished_prefix >= s.trained + (2 if stepping else 1) * b
             eta = 0.0 if due else self.marks.high
-        return due_signal(eta, self.marks)
+        return due_signal(eta, self._marks(s))
 
-    def _members(self, s: SchedState, m_now: int, m_soon: int, m_best: int) -> int:
+    def _members(
+        self,
+        s: SchedState,
+        m_now: int,
+        m_soon: int,
+        m_best: int,
+        wait: float = 0.0,
+        transit: bool = False,
+        m_wait: int = 0,
+    ) -> int:
         """Members to start a ready step with: now, or after waiting for more.
 
-        Cells on their way arrive within ``marks.low``; beyond them, a cell
-        empties about every ``cap`` rollout finishes. Picks the member count
-        whose wait plus step time is least.
+        ``transit``: recruits are on their way, the step waits ``wait`` s for them
+        anyway, and ``m_wait`` cells are there then. New recruits arrive at the
+        measured arrival (``_arrival``); beyond them, a cell empties about every
+        ``cap`` rollout finishes. Picks the member count whose wait plus step time
+        is least.
         """
         b, (t, sync) = self.batch, step_costs(self, s)
         per_cell = s.cap / s.finish_rate if s.finish_rate > 0 else math.inf
+        arrival = self._arrival(s)
 
         def total(m: int) -> float:
-            if m <= m_now:
+            if m <= m_now and not transit:
                 return dp_step_seconds(b, m, t, sync)
-            wait = self.marks.low + max(0, m - m_soon) * per_cell
-            return wait + dp_step_seconds(b, m, t, sync)
+            if transit and m <= m_wait:
+                return wait + dp_step_seconds(b, m, t, sync)
+            late = max(wait, arrival) + max(0, m - m_soon) * per_cell
+            return late + dp_step_seconds(b, m, t, sync)
 
         # wait + step time is convex in m: its minimum is near sqrt(b t / (sync + per_cell))
-        cands = {m_now, m_soon, m_best}
+        cands = {m_now, m_soon, m_best, m_wait}
         if per_cell < math.inf:
             x = math.sqrt(b * t / (sync + per_cell))
             cands.update({math.floor(x), math.ceil(x)})

@@ -20,10 +20,15 @@ Mechanics, as in the real system:
   after it they generate with the new version.
 - a role change costs ``switch_s`` (plus ``weight_load_s`` into rollout) once
   the cell has drained.
-- a rollout's sample reaches the water level ``finish_delay_s`` after its last
-  token (its slot stays booked meanwhile), and every step costs
-  ``step_overhead_s`` on top: the executor's own costs, 0 unless a live bench
-  measured them (bench/modes.py).
+- a rollout's sample reaches the water level ``finish_delay_s`` plus
+  ``process_s`` after its last token (its slot stays booked meanwhile), and
+  every step costs ``step_overhead_s`` on top: the executor's own costs, 0
+  unless a live bench measured them (bench/modes.py). Each is a log-normal
+  draw around its mean where its ``*_sigma`` is set (the same draws in every
+  mode: rollout ``i``'s delay, step ``k``'s overhead), exactly the mean where
+  it is 0; a step whose members differ from the last step's pays
+  ``regroup_s`` more (a new DP generation: only a mode that changes its
+  members pays it).
 - an optimizer step on ``b`` samples over ``m`` cells takes
   ``b * train_s_per_sample / m + dp_sync_s * m`` (dynamic-membership DP); with
   ``train_follows_length`` the ``b * train_s_per_sample`` is the sum of the
@@ -65,7 +70,7 @@ from tasks.sched.coordinator import (
     WeightsLoaded,
 )
 from tasks.sched.waterlevel import dp_step_seconds
-from tasks.sched.workload import Durations, Workload
+from tasks.sched.workload import Durations, Spread, Workload
 
 __all__ = ["Simulator", "Workload", "simulate"]
 
@@ -116,6 +121,12 @@ class Simulator:
         # the policy's cost model learns from the times reported below, as live
         self.coord = Coordinator(policy, w.cells, w.cap, calibrate=calibrate)
         self.dur = Durations(w, seed)
+        # the executor's costs per rollout / per step: at their means unless spread
+        self._fin = Spread(w.finish_delay_s, w.finish_delay_sigma, seed, 1)
+        self._proc = Spread(w.process_s, w.process_sigma, seed, 2)
+        self._over = Spread(w.step_overhead_s, w.step_overhead_sigma, seed, 3)
+        self._last_members: frozenset[int] = frozenset()
+        self.stats_regroups = 0
         self.now = 0.0
         self._heap: list[tuple[float, int, str, tuple]] = []
         self._seq = 0
@@ -256,7 +267,12 @@ class Simulator:
             s.run_from = max(s.run_from, until)
             s.ver = version
             s.epoch += 1
-            self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
+            self._push(s.end() + self._delay(idx), "done", (idx, s.epoch))
+
+    def _delay(self, idx: int) -> float:
+        """Rollout ``idx``'s last token to its sample in the buffer: finish delay plus
+        processing (its draws, or the means)."""
+        return self._fin[idx] + self._proc[idx]
 
     def _execute(self, d: Decision) -> None:
         w = self.w
@@ -268,7 +284,7 @@ class Simulator:
                 s = _Sess(idx, d.cell, self.dur[idx], self.now, v)
                 self.sess[idx] = s
                 self.on_cell[d.cell].add(idx)
-                self._push(s.end() + w.finish_delay_s, "done", (idx, 0))
+                self._push(s.end() + self._delay(idx), "done", (idx, 0))
             self._change(d.cell, "phys", self.phys[d.cell] + d.n)
         elif isinstance(d, LoadWeights):
             self.stats["weight_loads"] += 1
@@ -286,7 +302,13 @@ class Simulator:
             per = w.train_s_per_sample
             if w.train_follows_length and d.samples:
                 per = work / d.samples  # the samples' mean cost
-            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s) + w.step_overhead_s
+            dt = dp_step_seconds(d.samples, len(d.cells), per, w.dp_sync_s)
+            dt += self._over[len(self.step_starts) - 1]
+            members = frozenset(d.cells)
+            if self._last_members and members != self._last_members:
+                dt += w.regroup_s  # a new DP generation
+                self.stats_regroups += 1
+            self._last_members = members
             self._push(self.now + dt, "step_done", (d.cells, d.samples, dt))
         elif isinstance(d, Move):
             self.stats["switches"] += 1
@@ -353,7 +375,7 @@ class Simulator:
         self.on_cell[tgt].add(idx)
         self._change(tgt, "phys", self.phys[tgt] + 1)
         self.stats["migrations"] += 1
-        self._push(s.end() + self.w.finish_delay_s, "done", (idx, s.epoch))
+        self._push(s.end() + self._delay(idx), "done", (idx, s.epoch))
 
     def _move_done(self, c: int) -> None:
         if self.on_cell[c]:  # a session still here when the cell changes role
@@ -440,6 +462,7 @@ class Simulator:
             "migrations": float(st["migrations"]),
             "weight_loads": float(st["weight_loads"]),
             "wasted_switches": float(st["wasted_switches"]),
+            "regroups": float(self.stats_regroups),
         }
 
 

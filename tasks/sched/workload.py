@@ -93,6 +93,18 @@ class Workload:
     # DP rendezvous, checkpoint commit)
     finish_delay_s: float = 0.0
     step_overhead_s: float = 0.0
+    # their spread (live they are not constant: a lag-gated streaming step waits for the
+    # latest finishes, so the tail matters, not only the mean): each rollout's finish
+    # delay, processing (trajectory processing before its sample is in the buffer, the
+    # slot still booked) and each step's overhead are log-normal draws with these means
+    # and shapes (0 = every one at the mean), one seeded stream each, the same in every
+    # mode; and a DP regroup: extra seconds of a step whose members differ from the last
+    # step's (a new DP generation)
+    finish_delay_sigma: float = 0.0
+    process_s: float = 0.0
+    process_sigma: float = 0.0
+    step_overhead_sigma: float = 0.0
+    regroup_s: float = 0.0
     # simulation
     tick_s: float = 15.0
     max_hours: float = 2000.0
@@ -224,6 +236,11 @@ def _problems(w: Workload) -> list[str]:
         "reprefill_s",
         "finish_delay_s",
         "step_overhead_s",
+        "finish_delay_sigma",
+        "process_s",
+        "process_sigma",
+        "step_overhead_sigma",
+        "regroup_s",
     ):
         need(getattr(w, k) >= 0, f"{k}={getattr(w, k)}: need >= 0")
     return errs
@@ -335,6 +352,39 @@ class Durations:
                 np.minimum(med * np.exp(self._w.sigma * z), self._w.timeout_s).tolist()
             )
         return self._vals[i]
+
+
+class Spread:
+    """Draw ``i`` of a log-normal cost with mean ``mean`` and shape ``sigma``, the same for
+    every mode: ``mean * exp(sigma * z_i - sigma^2 / 2)`` with ``z_i`` standard normal from
+    ``(seed, stream)``; exactly ``mean`` when ``sigma`` is 0 (no draw is made)."""
+
+    def __init__(self, mean: float, sigma: float, seed: int, stream: int) -> None:
+        self._mean, self._sigma = mean, sigma
+        self._rng = np.random.default_rng([seed, stream]) if sigma > 0 and mean > 0 else None
+        self._vals: list[float] = []
+
+    def __getitem__(self, i: int) -> float:
+        if self._rng is None:
+            return self._mean
+        while i >= len(self._vals):
+            z = self._rng.standard_normal(_CHUNK)
+            s = self._sigma
+            self._vals.extend((self._mean * np.exp(s * z - s * s / 2)).tolist())
+        return self._vals[i]
+
+
+def lognormal_shape(values: list[float]) -> float:
+    """The log-normal ``sigma`` with the sample mean and variance of ``values`` (what a live
+    bench measured: ``sqrt(ln(1 + var / mean^2))``); 0 for fewer than two or a mean <= 0."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    if mean <= 0:
+        return 0.0
+    var = sum((x - mean) ** 2 for x in values) / (n - 1)
+    return math.sqrt(math.log(1.0 + var / (mean * mean)))
 
 
 def _medians(w: Workload, idx: np.ndarray) -> np.ndarray:

@@ -323,14 +323,17 @@ def wasted_switches(timeline: list[dict[str, Any]]) -> int:
 def choose_splits(st: Setup, quick: bool) -> tuple[int, int, dict[int, float], list[int]]:
     """(advance split, the simulator's best split, sim groups/s by split, splits run live).
 
-    Advance: the best streaming split on the workload's first hour (no growth, no bursts),
-    as bench/sched.py picks it; best: the simulator's best on the whole run, this seed."""
+    Advance: the best streaming split on the pilot of ``tasks.sched.presets.pilot`` (the
+    workload's first hour, no growth, no bursts, ``PILOT_STEPS`` steps whatever ``--steps``),
+    the rule bench/sched.py uses; best: the simulator's best on the whole run, this seed."""
     import tempfile
 
     from flows.config import load_config
+    from tasks.sched import presets
 
     w = st.file_workload()
-    pilot = dataclasses.replace(w.frozen_at_start(), name=f"{w.name}-pilot")
+    pilot = dataclasses.replace(presets.pilot(w), name=f"{w.name}-pilot")
+    pilot_st = dataclasses.replace(st, steps=presets.PILOT_STEPS)  # the run's sizes, 16 steps
     tmp = tempfile.mkdtemp(prefix="gyre-bench-modes-wl-")
     files = {}
     for name, ww in (("run", w), ("pilot", pilot)):
@@ -339,13 +342,13 @@ def choose_splits(st: Setup, quick: bool) -> tuple[int, int, dict[int, float], l
             json.dump(ww.to_dict(), fh)
         files[name] = path
 
-    def sim(k: int, wfile: str) -> float:
-        cfg = load_config(overrides=overrides(st, "async-stream", k, wfile))
+    def sim(k: int, wfile: str, setup: Setup = st) -> float:
+        cfg = load_config(overrides=overrides(setup, "async-stream", k, wfile))
         return predict(cfg)["groups_per_s"]
 
     splits = range(1, st.cells)
     by_run = {k: sim(k, files["run"]) for k in splits}
-    by_pilot = {k: sim(k, files["pilot"]) for k in splits}
+    by_pilot = {k: sim(k, files["pilot"], pilot_st) for k in splits}
     k_adv = max(by_pilot, key=lambda k: (by_pilot[k], k))
     k_best = max(by_run, key=lambda k: (by_run[k], k))
     live = [k_adv, k_best] if quick else [k_adv, k_best - 1, k_best, k_best + 1]

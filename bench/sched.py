@@ -118,7 +118,7 @@ def compare(run: Runner, w: Workload, lag: int, fracs, quick: bool) -> dict:
     """Every mode on ``w`` at lag bound ``lag``, ratios, and the bound."""
     seeds = seeds_for(w, quick)
     k_best, grid = best_split(run, w, lag, fracs, seeds)
-    pilot_w = dataclasses.replace(w.frozen_at_start(), steps=min(w.steps, 16))
+    pilot_w = presets.pilot(w)  # the first hour, 16 steps: the rule bench/modes.py shares
     k_adv, _ = best_split(run, pilot_w, lag, fracs, seeds)
 
     def async_at(k: int) -> dict:
@@ -467,6 +467,115 @@ def seed_spread(run: Runner, w: Workload, headline: dict, seeds=(1, 2)) -> dict:
     return out
 
 
+SWEEP_SIZES = (8, 32, 1000)
+# issue 25's parts of the elastic policy, each off in turn (tasks/sched/modes.py)
+TRANSIT_VARIANTS = {
+    "no transit wait": dict(wait_for_transit=False),
+    "no measured arrival": dict(plan_transit=False),
+    "no lend guard": dict(lend_guard=False),
+    "no size exploration": dict(explore=False),
+    "none of them": dict(
+        wait_for_transit=False, plan_transit=False, lend_guard=False, explore=False
+    ),
+}
+
+
+def at_size(w: Workload, n: int, name: str, quick: bool) -> Workload:
+    """``w`` on ``n`` cells under its own name; ``quick``: at most 16 steps."""
+    ws = dataclasses.replace(w.resized(n), name=name)
+    return dataclasses.replace(ws, steps=min(ws.steps, 16)) if quick else ws
+
+
+def sweep(run: Runner, files: dict[str, Workload], sizes, fracs, quick: bool) -> dict:
+    """Every workload file at each of ``sizes`` cells (``Workload.resized``: one sample per
+    slot per batch), every mode at lag <= 1; ``--quick`` caps each at 16 steps."""
+    out: dict[str, dict] = {}
+    for n in sizes:
+        rows = {}
+        for name, w in files.items():
+            rows[name] = compare(run, at_size(w, n, name, quick), 1, fracs, quick)
+        print_rows(f"sweep: every workload file at {n} cells, lag <= 1", rows)
+        out[str(n)] = rows
+    return out
+
+
+WORST = (
+    ("worst_elastic_over_colocate", "elastic_over_colocate"),
+    ("worst_elastic_over_async_best", "elastic_over_async_best"),
+    ("worst_elastic_over_async", "elastic_over_async"),
+    ("worst_elastic_over_bound", "elastic_over_bound"),
+)
+
+
+def worst_of(rows: dict[str, dict]) -> dict:
+    """The least of each elastic ratio over ``rows`` and the row it is on."""
+    out: dict = {}
+    for key, col in WORST:
+        name = min(rows, key=lambda n: rows[n][col])
+        out[key] = rows[name][col]
+        out[key.replace("worst_", "worst_row_")] = name
+    return out
+
+
+def transit_ablations(
+    run: Runner, sw: dict[str, dict], files: dict[str, Workload], quick: bool
+) -> dict:
+    """Elastic with each of issue 25's parts off, on every sweep row: the worst ratios
+    per size and the wasted switches (both moves of a recruit sent back unstepped)."""
+    out: dict[str, dict] = {}
+    for n, rows in sw.items():
+        per: dict[str, dict] = {}
+        variants = {"elastic": {}, **TRANSIT_VARIANTS}
+        for vname, kw in variants.items():
+            ratios = {}
+            wasted = switches = 0.0
+            for name, r in rows.items():
+                w = at_size(files[name], int(n), name, quick)
+                m = (
+                    r["modes"]["elastic"]
+                    if not kw
+                    else run(presets.elastic(w, 1, **kw), w, r["seeds"])
+                )
+                el = m["samples_per_hour"]
+                ratios[name] = {
+                    "elastic_over_colocate": el / r["modes"]["colocate"]["samples_per_hour"],
+                    "elastic_over_async_best": el / r["modes"]["async_best"]["samples_per_hour"],
+                    "elastic_over_async": el / r["modes"]["async"]["samples_per_hour"],
+                    "elastic_over_bound": el / r["upper_bound"],
+                }
+                wasted += m["wasted_switches"]
+                switches += m["role_switches"]
+            per[vname] = worst_of(ratios) | {
+                "wasted_switches": wasted,
+                "role_switches": switches,
+                "by_row": {k: v["elastic_over_async_best"] for k, v in ratios.items()},
+            }
+        out[n] = per
+    head = [
+        "cells",
+        "variant",
+        "worst el/colocate",
+        "worst el/async best",
+        "worst el/bound",
+        "wasted/switches",
+    ]
+    table = [
+        [
+            n,
+            v,
+            f"{x['worst_elastic_over_colocate']:.3f} ({x['worst_row_elastic_over_colocate']})",
+            f"{x['worst_elastic_over_async_best']:.3f} ({x['worst_row_elastic_over_async_best']})",
+            f"{x['worst_elastic_over_bound']:.3f} ({x['worst_row_elastic_over_bound']})",
+            f"{x['wasted_switches']:.0f}/{x['role_switches']:.0f}",
+        ]
+        for n, per in out.items()
+        for v, x in per.items()
+    ]
+    print("\n== issue 25 ablations: elastic with each part off, worst over every file, lag <= 1")
+    print(_table(head, table))
+    return out
+
+
 def load_rows(paths: list[str] | None) -> dict[str, Workload]:
     if paths:
         ws = [load_workload(p) for p in paths]
@@ -492,12 +601,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--cells", type=int, default=None, help="resize every row of the reference's size"
     )
-    ap.add_argument("--sections", default="headline,size,workload,policy,curve,ablation")
+    ap.add_argument(
+        "--sections", default="headline,size,workload,policy,curve,ablation,sweep,transit"
+    )
+    ap.add_argument(
+        "--sweep-sizes",
+        default=",".join(str(n) for n in SWEEP_SIZES),
+        help="cell counts the sweep runs every workload file at",
+    )
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     t0 = time.perf_counter()
     run = Runner([0])
     rows = load_rows(args.workload)
+    every_file = dict(rows)
     ref = next(iter(rows.values()))
     ref_cells = ref.cells
     cells = args.cells or (32 if args.quick else None)
@@ -586,6 +703,19 @@ def main(argv: list[str] | None = None) -> dict:
             out["growth_elastic_over_estimate"] = g["elastic_over_estimate"]
         if "policy" in sections:
             out["policy_ablations"] = policy_ablations(run, by_workload, rows)
+    if "workload" in sections:
+        out["worst_elastic_over_bound"] = min(r["elastic_over_bound"] for r in by_workload.values())
+    if "sweep" in sections:
+        sizes = [int(x) for x in args.sweep_sizes.split(",") if x]
+        sw = sweep(run, every_file, sizes, fracs, args.quick)
+        out["sweep"] = {n: {k: {kk: vv for kk, vv in r.items() if kk != "modes"}
+                            for k, r in rows_n.items()} for n, rows_n in sw.items()}  # fmt: skip
+        out["worst_by_size"] = {n: worst_of(rows_n) for n, rows_n in sw.items()}
+        every = {f"{k} @ {n}": r for n, rows_n in sw.items() for k, r in rows_n.items()}
+        # over every file at every size (the issue's figures): these replace the by-workload ones
+        out.update(worst_of(every))
+        if "transit" in sections:
+            out["transit_ablations"] = transit_ablations(run, sw, every_file, args.quick)
     if "curve" in sections:
         lags = [1, 2] if args.quick else [0, 1, 2, 3, 4]
         out["lag_curve"] = lag_curve(run, ref, lags, fracs, args.quick)
@@ -603,6 +733,16 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(v, float | int) and not isinstance(v, bool):
             print(f"{k:34s} {v:.3f}")
     print(f"{'worst_row':34s} {out.get('worst_row')}")
+    for k in sorted(out):
+        if k.startswith("worst_row_"):
+            print(f"{k:34s} {out[k]}")
+    for n, x in out.get("worst_by_size", {}).items():
+        print(
+            f"{n + ' cells':>10s}: worst el/colocate {x['worst_elastic_over_colocate']:.3f} "
+            f"({x['worst_row_elastic_over_colocate']}), el/async best "
+            f"{x['worst_elastic_over_async_best']:.3f} ({x['worst_row_elastic_over_async_best']}), "
+            f"el/bound {x['worst_elastic_over_bound']:.3f} ({x['worst_row_elastic_over_bound']})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -10,11 +10,14 @@ Pure module: no prefect, no distributed, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tasks.sched.modes import Async, AsyncStream, Colocate, Elastic, core_cells
 from tasks.sched.waterlevel import Marks
 from tasks.sched.workload import Workload
 
 CORE_FRAC = 0.125
+PILOT_STEPS = 16  # see pilot
 
 
 def elastic_marks(w: Workload) -> Marks:
@@ -72,3 +75,12 @@ def elastic(w: Workload, max_lag: int = 1, **overrides) -> Elastic:
 def split_cells(w: Workload, frac: float) -> int:
     """Rollout cells of a fixed split at rollout fraction ``frac`` (1 .. cells-1)."""
     return max(1, min(w.cells - 1, round(frac * w.cells)))
+
+
+def pilot(w: Workload) -> Workload:
+    """The run a user makes before picking a fixed split: the workload's first hour
+    (``Workload.frozen_at_start``: no growth, no wave seen yet) for ``PILOT_STEPS`` steps,
+    whatever the length of the run under test. One rule for bench/sched.py and
+    bench/modes.py: a pilot at the run's own step count let the advance split depend on it
+    (3 and 8 steps picked different splits of the same file)."""
+    return dataclasses.replace(w.frozen_at_start(), steps=PILOT_STEPS)

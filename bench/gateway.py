@@ -157,6 +157,8 @@ def _serve_stub(args) -> None:
     }
     ctx = int(args.max_context or 32768)  # what the stub advertises (bench/xlong_gateway.py: ~1M)
     info = {"max_context_length": ctx, "vocab_size": tok.vocab_size, "weight_version": "0"}
+    if args.prefix_handles:  # answer as the embedded engine: the gateway sends prefix handles
+        info["version"] = "gyre-embedded-stub"
     answers = {
         b"/generate": _http_answer(json.dumps(gen).encode()),
         b"/get_model_info": _http_answer(json.dumps(info).encode()),
@@ -505,7 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="engine-client transports to run side by side in the stub part, "
                          "e.g. http1,aiohttp (default: the client's default)")  # fmt: skip
     ap.add_argument("--profile", default=None, help="py-spy profile of the gateway (stub part)")
-    for hidden in ("--serve-gateway", "--serve-engine", "--serve-stub", "--no-fsync"):
+    for hidden in ("--serve-gateway", "--serve-engine", "--serve-stub", "--no-fsync",
+                   "--prefix-handles"):  # fmt: skip
         ap.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--engine", "--model", "--store", "--spool", "--transport", "--cpu",
                    "--max-context"):  # fmt: skip

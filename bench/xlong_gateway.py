@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 from bench import gateway as gwb  # noqa: E402  (the stub engine, processes, admin calls)
 
-WORDS = 1000  # ~2K tokens of user text per call
+WORDS = 667  # "log line " x 667: ~2K tokens of user text per call (500 calls: ~1M tokens)
 STUB_MAX_CONTEXT = 1_200_000  # what the stub engine advertises (bench/gateway.py --max-context)
 
 
@@ -44,8 +44,10 @@ def _parquet_bytes(root: str) -> int:
     )
 
 
-def measure(quick: bool) -> dict:
-    """Drive one growing session; curves keyed by context tokens at each measured call."""
+def measure(quick: bool, prefix_handles: bool) -> dict:
+    """Drive one growing session; curves keyed by context tokens at each measured call.
+    ``prefix_handles``: the stub answers as the embedded engine (the gateway sends a prefix
+    handle + the new ids); else as SGLang (the whole input ids, as JSON, every call)."""
     import httpx
     import orjson
 
@@ -56,7 +58,8 @@ def measure(quick: bool) -> dict:
     model = make_tiny_model()
     procs = gwb._Procs(model)
     try:
-        stub_url, _ = procs.spawn("--serve-stub", "--max-context", str(STUB_MAX_CONTEXT))
+        form = ["--prefix-handles"] if prefix_handles else []
+        stub_url, _ = procs.spawn("--serve-stub", "--max-context", str(STUB_MAX_CONTEXT), *form)
         url, gw_proc = procs.gateway("xlong", stub_url)
         key = gwb._keys(url, 1)[0]
         cl = httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=120)
@@ -68,9 +71,12 @@ def measure(quick: bool) -> dict:
                 break
             msgs.append({"role": "user", "content": f"page {i}: " + "log line " * words})
             body = orjson.dumps({"model": "gyre", "messages": msgs, "max_tokens": 8})
-            t0 = time.perf_counter()
-            orjson.loads(body)
-            parse_ms = 1e3 * (time.perf_counter() - t0)
+            parse = []
+            for _ in range(3):  # the median of 3: one parse of a few MB is noisy here
+                t0 = time.perf_counter()
+                orjson.loads(body)
+                parse.append(1e3 * (time.perf_counter() - t0))
+            parse_ms = statistics.median(parse)
             cpu0 = gwb._admin(url, "GET", "/gyre/stats")["gateway/cpu_s"]
             r = cl.post(url + "/v1/chat/completions", content=body,
                         headers={"content-type": "application/json"})  # fmt: skip
@@ -108,7 +114,7 @@ def measure(quick: bool) -> dict:
     unique = curve[-1]["tokens"] + out_tokens  # one linear session: every token once
     grown = curve[-1]["tokens"] - curve[0]["tokens"]  # context since the RSS baseline
     return {
-        "xlong_gateway_calls": calls,
+        "xlong_gateway_calls": len(curve),
         "xlong_gateway_tokens_max": curve[-1]["tokens"],
         "xlong_gateway_cpu_ms_1m_over_10k": last["cpu_ms"] / max(ten["cpu_ms"], 1e-9),
         "xlong_gateway_cpu_over_parse_1m": last["cpu_ms"] / max(last["parse_ms"], 1e-9),
@@ -116,7 +122,11 @@ def measure(quick: bool) -> dict:
         "xlong_gateway_rss_growth_mb": rss_growth / 2**20,
         "xlong_gateway_tito_bytes_per_token": tito_bytes / max(1, unique),
         "xlong_gateway_tail_parses": stats.get("gateway/chat_tail_parses", 0),
+        # what the session's own state holds (call index, spine, body memo, ids JSON)
+        "xlong_gateway_held_bytes_per_token": stats.get("gateway/session_bytes", 0)
+        / max(1, unique),
         "curve": {str(n): p for n, p in pts.items()},
+        "curve_all": curve,
     }
 
 
@@ -125,11 +135,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    out = measure(args.quick)
-    for n, p in out["curve"].items():
-        print(f"{n:>9} tokens={p['tokens']:>8} cpu_ms={p['cpu_ms']:7.2f} "
-              f"body={p['body_bytes']:>9} parse_ms={p['parse_ms']:6.2f} rss_mb={p['rss_mb']:7.1f}")  # fmt: skip
-    print(json.dumps({k: v for k, v in out.items() if k != "curve"}, indent=1))
+    out = measure(args.quick, prefix_handles=True)
+    full_ids = measure(args.quick, prefix_handles=False)
+    out["xlong_gateway_engine_form"] = "prefix handle + new ids (the embedded engine)"
+    for k, v in list(full_ids.items()):  # the SGLang form: the whole input ids every call
+        if k.startswith("xlong_gateway_") and k != "xlong_gateway_calls":
+            out[k.replace("xlong_gateway_", "xlong_gateway_sglang_", 1)] = v
+    out["curve_sglang"], out["curve_all_sglang"] = full_ids["curve"], full_ids["curve_all"]
+    for form, sfx in (("embedded engine (prefix handles)", ""), ("SGLang (whole ids)", "_sglang")):
+        print(form)
+        for n, p in out["curve" + sfx].items():
+            print(f"{n:>9} tokens={p['tokens']:>8} cpu_ms={p['cpu_ms']:7.2f} "
+                  f"body={p['body_bytes']:>9} parse_ms={p['parse_ms']:6.2f} rss_mb={p['rss_mb']:7.1f}")  # fmt: skip
+    print(json.dumps({k: v for k, v in out.items() if not k.startswith("curve")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -40,6 +40,34 @@ def _dumps(obj: Any) -> bytes:
 
 _loads = orjson.loads
 
+
+class JsonIds:
+    """Token ids already encoded as the text of a JSON array, in parts (e.g. a session's
+    cached prefix and its new ids: infra/gateway/ids_json.py), joined once into the request
+    body. SGLang's HTTP ``/generate`` takes ``input_ids`` only as a JSON list (its binary
+    form is the gRPC scheduler API's packed ``TokenizedInput.input_ids``, not served over
+    HTTP), so re-sending a long context costs its encoding; this form pays it once."""
+
+    __slots__ = ("n", "parts")
+
+    def __init__(self, parts: list, n: int):
+        self.parts = parts  # bytes-like pieces; b"[" + parts... + b"]" is the array
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _body(payload: dict) -> bytes:
+    """The JSON body of a payload whose ``input_ids`` may be `JsonIds`."""
+    ids = payload.get("input_ids")
+    if not isinstance(ids, JsonIds):
+        return _dumps(payload)
+    rest = _dumps({k: v for k, v in payload.items() if k != "input_ids"})
+    tail = [b"]}"] if rest == b"{}" else [b"],", memoryview(rest)[1:]]
+    return b"".join([b'{"input_ids":[', *ids.parts, *tail])
+
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TRANSPORT = "http1"  # for http:// (see BENCHMARKS.md, "Engine client")
@@ -217,7 +245,9 @@ class EngineClient:
     @staticmethod
     def _payload(input_ids, sampling_params, rid, return_logprob, stream, prefix=None) -> dict:
         payload = {
-            "input_ids": input_ids if isinstance(input_ids, np.ndarray) else list(input_ids),
+            "input_ids": input_ids
+            if isinstance(input_ids, np.ndarray | JsonIds)
+            else list(input_ids),
             "sampling_params": dict(sampling_params or {}),
             "return_logprob": return_logprob,
             "stream": stream,
@@ -230,7 +260,7 @@ class EngineClient:
 
     async def generate(
         self,
-        input_ids: list[int] | np.ndarray,
+        input_ids: list[int] | np.ndarray | JsonIds,
         sampling_params: dict | None = None,
         *,
         rid: str | None = None,
@@ -241,7 +271,8 @@ class EngineClient:
         ``prefix`` = (an earlier rid, k), ``input_ids`` are the ids after that call's first k
         context tokens (embedded engine only; EngineError status 409 when not held)."""
         payload = self._payload(input_ids, sampling_params, rid, return_logprob, False, prefix)
-        return await self._json("POST", "/generate", payload)
+        resp = await self._request("POST", "/generate", _body(payload))
+        return _loads(resp.body) if resp.body else {}
 
     async def generate_stream(
         self,
@@ -254,7 +285,7 @@ class EngineClient:
     ) -> AsyncIterator[dict]:
         """POST /generate with stream: yields each SSE chunk dict (cumulative), last one final
         (``prefix`` as in `generate`)."""
-        body = _dumps(self._payload(input_ids, sampling_params, rid, return_logprob, True, prefix))
+        body = _body(self._payload(input_ids, sampling_params, rid, return_logprob, True, prefix))
         for attempt in range(1, CONNECT_RETRIES + 1):
             try:
                 async with aclosing(self._http.stream("POST", "/generate", body)) as parts:

@@ -1,7 +1,10 @@
 """Per-session index of earlier calls: delta-encoded contexts, longest-prefix parent lookup.
 
 Every call of a session is kept as its TITO record is (``prefix_len`` shared with a parent +
-the tokens it adds), so memory is O(unique tokens). Contexts (input + output) are indexed by
+the tokens it adds), so memory is O(unique tokens). The session's main line (each call
+extending the whole context of the one before, as an agent's turns do) is one append-only
+int32 buffer, the *spine*: its calls' tokens and contexts are slices of it, so a linear
+session of n tokens holds ~4n bytes of ids, not a copy per call or per cached context. Contexts (input + output) are indexed by
 chained hashes of fixed-size chunks (``CHUNK`` tokens): a lookup hashes the new input once
 (reusing the hint parent's hashes for the part they share), binary-searches the deepest chunk
 some earlier call shares, then compares at most one chunk per candidate. Recording a call
@@ -14,6 +17,7 @@ Pure module: numpy and hashlib only.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -35,12 +39,13 @@ class CallState:
     seq_no: int
     parent: str | None
     prefix_len: int
-    own: np.ndarray  # new_input_ids + output_ids (int32): the tokens this call adds
+    own: np.ndarray | None  # new_input_ids + output_ids (int32); None: on the spine
     input_len: int
     output_len: int
     ended_im_end: bool
-    hashes: bytes  # chained digests of the context's full chunks
+    hashes: bytes | None  # chained digests of the context's full chunks; None: the spine's
     head: np.ndarray  # first CHUNK tokens of the context
+    on_spine: bool = False  # context == the spine's first context_len tokens
 
     @property
     def context_len(self) -> int:
@@ -94,7 +99,7 @@ class ChainMemo:
 class SessionCalls:
     """Every earlier call of one session, delta-encoded, with prefix and message indexes."""
 
-    def __init__(self, ctx_cache: int = 4):
+    def __init__(self, ctx_cache: int = 2):
         self.calls: dict[str, CallState] = {}
         self._by_chunk: dict[bytes, list[str]] = {}
         self._by_reply: dict[tuple[bytes, bytes], str] = {}
@@ -102,6 +107,10 @@ class SessionCalls:
         self._ctx_cap = ctx_cache
         self._heads = np.full((0, CHUNK), -1, dtype=np.int32)  # first CHUNK tokens per call
         self._head_rids: list[str] = []
+        self._spine = np.zeros(0, dtype=np.int32)  # append-only; [:_spine_n] is held
+        self._spine_n = 0
+        self._spine_rid: str | None = None  # the call whose context is the whole spine
+        self._spine_hashes = bytearray()  # chunk digests of the spine's full chunks
         # the chat chain keys of the last call's messages (infra/gateway/chat.py: message_chain)
         self.chain_memo = ChainMemo()
         # the last chat body, for parsing only what the next one adds (infra/gateway/chat_body.py)
@@ -112,7 +121,11 @@ class SessionCalls:
 
     # -- contexts --------------------------------------------------------------------------
     def context(self, rid: str) -> np.ndarray:
-        """Full input + output of an earlier call (int32), rebuilt from deltas if not cached."""
+        """Full input + output of an earlier call (int32), rebuilt from deltas if not cached
+        (a call on the spine: a view of it, no copy)."""
+        c = self.calls[rid]
+        if c.on_spine:
+            return self._spine[: c.context_len]
         got = self._ctx.get(rid)
         if got is not None:
             self._ctx.move_to_end(rid)
@@ -122,7 +135,7 @@ class SessionCalls:
         need = self.calls[rid].context_len
         while cur is not None:
             c = self.calls[cur]
-            cached = self._ctx.get(cur)
+            cached = self._spine if c.on_spine else self._ctx.get(cur)
             if cached is not None:
                 parts.append(cached[:need])
                 break
@@ -141,11 +154,11 @@ class SessionCalls:
 
     def _slice(self, rid: str, a: int, b: int) -> np.ndarray:
         """context(rid)[a:b] without rebuilding the whole context."""
-        got = self._ctx.get(rid)
-        if got is not None:
-            return got[a:b]
         c = self.calls[rid]
         b = min(b, c.context_len)
+        got = self._spine if c.on_spine else self._ctx.get(rid)
+        if got is not None:
+            return got[a:b]
         if b <= a:
             return np.zeros(0, dtype=np.int32)
         if b <= CHUNK:
@@ -168,8 +181,8 @@ class SessionCalls:
         """(parent rid, shared prefix length, ids' chunk hashes): longest prefix over all calls."""
         if hint is not None and hint in self.calls:
             c = self.calls[hint]
-            m = min(len(c.hashes) // _H, c.context_len // CHUNK, len(ids) // CHUNK)
-            hashes = chunk_hashes(ids, m, c.hashes[: m * _H])
+            prev = self._hashes(c, min(c.context_len // CHUNK, len(ids) // CHUNK))
+            hashes = chunk_hashes(ids, len(prev) // _H, prev)
         else:
             hashes = chunk_hashes(ids)
         if not self.calls:
@@ -233,17 +246,31 @@ class SessionCalls:
         extra = chunk_hashes(tail, 0, hashes_in[-_H:] if m else b"")
         hashes = hashes_in + extra[_H if m else 0 :]
         ctx_head = np.concatenate([ids[:CHUNK], out[: max(0, CHUNK - n_in)]])
+        own = np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False)
+        # on the spine: the first call, or one that extends the spine's whole context
+        on_spine = (
+            inp.parent_request_id is None and inp.prefix_len == 0 and self._spine_rid is None
+        ) or (
+            inp.parent_request_id is not None
+            and inp.parent_request_id == self._spine_rid
+            and inp.prefix_len == self._spine_n
+        )
+        if on_spine:  # its context extends the spine's, so do its chunk digests
+            self._grow_spine(own)
+            self._spine_hashes += memoryview(hashes)[len(self._spine_hashes) :]
+            self._spine_rid = request_id
         c = CallState(
             request_id=request_id,
             seq_no=seq_no,
             parent=inp.parent_request_id,
             prefix_len=inp.prefix_len,
-            own=np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False),
+            own=None if on_spine else own,
             input_len=n_in,
             output_len=len(out),
             ended_im_end=bool(len(out) and im_end_id is not None and int(out[-1]) == im_end_id),
-            hashes=hashes,
+            hashes=None if on_spine else hashes,
             head=ctx_head,
+            on_spine=on_spine,
         )
         self.calls[request_id] = c
         n = len(self._head_rids)
@@ -263,5 +290,36 @@ class SessionCalls:
             reply_digest = digest(reply)
         if inp.msg_key is not None and reply_digest is not None:
             self._by_reply[(inp.msg_key, reply_digest)] = request_id
-        self._remember(request_id, np.concatenate([ids, out]))
+        if not on_spine:
+            self._remember(request_id, np.concatenate([ids, out]))
         return c
+
+    def _grow_spine(self, tokens: np.ndarray) -> None:
+        """Append to the spine (capacity doubling; what is held never moves within a buffer,
+        so earlier views of it stay exact)."""
+        n, k = self._spine_n, len(tokens)
+        if n + k > len(self._spine):
+            grown = np.empty(max(2 * len(self._spine), n + k, 4096), dtype=np.int32)
+            grown[:n] = self._spine[:n]
+            self._spine = grown
+        self._spine[n : n + k] = tokens
+        self._spine_n = n + k
+
+    def held_bytes(self) -> int:
+        """Bytes this index holds for the session (ids, digests, lookups, the last chat
+        body): what grows with its tokens, Python object headers of the lookups included."""
+        n = 4 * self._spine_n + len(self._spine_hashes) + self._heads.nbytes
+        n += sum(a.nbytes for a in self._ctx.values())
+        for c in self.calls.values():
+            n += c.head.nbytes + (c.own.nbytes if c.own is not None else 0)
+            n += len(c.hashes) if c.hashes is not None else 0
+        n += sys.getsizeof(self._by_chunk)
+        n += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._by_chunk.items())
+        memo = self.body_memo
+        return n + (len(memo.raw) if memo is not None else 0)
+
+    def _hashes(self, c: CallState, m: int) -> bytes:
+        """The first ``m`` chunk digests of call ``c``'s context."""
+        if c.hashes is not None:
+            return c.hashes[: m * _H]
+        return bytes(self._spine_hashes[: min(m, c.context_len // CHUNK) * _H])

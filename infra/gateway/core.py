@@ -294,6 +294,15 @@ class GatewayCore:
             h.sessions.discard(session_id)
 
     # -- metrics -------------------------------------------------------------------------
+    def session_bytes(self) -> int:
+        """Bytes the sessions' call indexes and engine-input caches hold (see
+        `SessionCalls.held_bytes`): what grows with their tokens."""
+        total = 0
+        for s in self.sessions.all():
+            with s.state_lock:
+                total += s.calls.held_bytes() + s.ids_json.nbytes
+        return total
+
     def stats(self) -> dict:
         """Flat metrics; ``gateway/loop_cpu_s`` is the event-loop thread's CPU time when called
         on the loop (the HTTP endpoint does), else the calling thread's; ``gateway/cpu_s`` is
@@ -303,6 +312,7 @@ class GatewayCore:
             "gateway/cpu_s": time.process_time(),
             **{f"gateway/{k}": v for k, v in self.counters.items()},
             "gateway/sessions": len(self.sessions),
+            "gateway/session_bytes": self.session_bytes(),
             "gateway/kv_moves": self.router.kv_moves,
             "gateway/kv_moved_tokens": self.router.kv_moved_tokens,
             "gateway/reprefills": self.router.reprefills,

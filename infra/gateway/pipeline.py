@@ -268,6 +268,9 @@ class CallPipeline:
                 if prefix is not None:  # the engine holds the prefix: send only the rest
                     send = ids[prefix[1] :]
                     gw.counters["prefix_handles"] += 1
+                elif not h.prefix_handles and not out:  # all the ids, the new ones encoded
+                    inp = call.inp  # (no await until the client has joined the body)
+                    send = s.ids_json.encode(rid, ids, inp.parent_request_id, inp.prefix_len)
                 if on_tokens is None:
                     resp = await client.generate(send, sp, rid=erid, prefix=prefix)
                 else:
@@ -406,7 +409,7 @@ class CallPipeline:
             seq_no=s.next_seq(),
             parent_request_id=inp.parent_request_id,
             prefix_len=inp.prefix_len,
-            new_input_ids=inp.new_input_ids,
+            new_input_ids=inp.new_input_ids.copy(),  # not a view: the input is freed now
             output_ids=np.asarray(res.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(res.logprobs, dtype=np.float32),
             weight_version=res.weight_version,

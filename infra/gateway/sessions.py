@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from infra.gateway.call_index import ChatInput, SessionCalls
+from infra.gateway.ids_json import IdsJsonCache
 from storage.tito import TitoRecord, reconstruct_inputs
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Session:
     # context: the prefix handle of the next call on that cell (infra/gateway/pipeline.py)
     engine_rids: dict[str, tuple[str, str]] = field(default_factory=dict)
     unrecorded: int = 0  # calls generated whose TITO record is not written yet
+    # the last call's input ids as JSON, for engines that take the whole input every call
+    ids_json: IdsJsonCache = field(default_factory=IdsJsonCache)
     tokens: int = 0  # unique tokens so far (new input + output of every call)
     # Responses API: response id -> (previous response id, messages it added, the response
     # object); rebuilt from the TITO records after a restart (infra/gateway/responses.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -105,6 +106,16 @@ def test_long_session_through_prefix_handles_is_token_exact_and_branches(tmp_pat
         recs = exact_records(gw, sid, eng)
         assert len(recs) == n
         assert gw.counters["prefix_handles"] >= n - 1
+        # every body after the first parsed from where the one before ended
+        assert gw.counters["chat_tail_parses"] == n - 1
+        # a bad new message on that session: the full parse's 400, as on a fresh session
+        body = {"model": gw.model_name, "messages": [*msgs, {"content": "x"}], "max_tokens": 4}
+        url = gw.openai_base_url + "/chat/completions"
+        got = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+        fresh = gw.new_session()[1]
+        want = httpx.post(url, json=body, headers={"Authorization": f"Bearer {fresh}"})
+        assert got.status_code == want.status_code == 400 and got.json() == want.json()
+        assert got.json()["error"]["param"] == f"messages[{len(msgs)}].role"
         edited = [dict(m) for m in msgs]
         edited[3] = {**edited[3], "content": "changed"}
         cl.chat.completions.create(model=gw.model_name, messages=edited[:-1], max_tokens=4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -111,6 +112,9 @@ class SessionCalls:
         self._spine_n = 0
         self._spine_rid: str | None = None  # the call whose context is the whole spine
         self._spine_hashes = bytearray()  # chunk digests of the spine's full chunks
+        self._held = 0  # bytes of ids, digests and lookups the calls added (held_bytes)
+        # the one input being built on the spine past its end (`extend_on_spine`), while alive
+        self._lent: weakref.ref | None = None
         # the chat chain keys of the last call's messages (infra/gateway/chat.py: message_chain)
         self.chain_memo = ChainMemo()
         # the last chat body, for parsing only what the next one adds (infra/gateway/chat_body.py)
@@ -248,13 +252,18 @@ class SessionCalls:
         ctx_head = np.concatenate([ids[:CHUNK], out[: max(0, CHUNK - n_in)]])
         own = np.concatenate([ids[inp.prefix_len :], out]).astype(np.int32, copy=False)
         # on the spine: the first call, or one that extends the spine's whole context
-        on_spine = (
-            inp.parent_request_id is None and inp.prefix_len == 0 and self._spine_rid is None
-        ) or (
-            inp.parent_request_id is not None
-            and inp.parent_request_id == self._spine_rid
-            and inp.prefix_len == self._spine_n
+        lent = self._lent() if self._lent is not None else None
+        mine = lent is not None and lent is ids  # this call's input lies past the spine's end
+        on_spine = (lent is None or mine) and (
+            (inp.parent_request_id is None and inp.prefix_len == 0 and self._spine_rid is None)
+            or (
+                inp.parent_request_id is not None
+                and inp.parent_request_id == self._spine_rid
+                and inp.prefix_len == self._spine_n
+            )
         )
+        if mine:
+            self._lent = None
         if on_spine:  # its context extends the spine's, so do its chunk digests
             self._grow_spine(own)
             self._spine_hashes += memoryview(hashes)[len(self._spine_hashes) :]
@@ -284,8 +293,16 @@ class SessionCalls:
         # represented by an ancestor with the same tokens there: register only the rest, so
         # that recording a call costs O(new tokens), not O(context).
         first = max(0, inp.prefix_len // CHUNK - 1) if inp.parent_request_id else 0
+        held = c.head.nbytes + (own.nbytes + len(hashes) if not on_spine else 4 * len(own))
         for j in range(first, len(hashes) // _H):
-            self._by_chunk.setdefault(hashes[j * _H : (j + 1) * _H], []).append(request_id)
+            key = hashes[j * _H : (j + 1) * _H]
+            got = self._by_chunk.get(key)
+            if got is None:
+                got = self._by_chunk[key] = []
+                held += sys.getsizeof(key) + sys.getsizeof(got)
+            got.append(request_id)
+            held += 8  # the list's slot
+        self._held += held
         if reply is not None:
             reply_digest = digest(reply)
         if inp.msg_key is not None and reply_digest is not None:
@@ -294,27 +311,42 @@ class SessionCalls:
             self._remember(request_id, np.concatenate([ids, out]))
         return c
 
+    def extend_on_spine(self, rid: str, suffix: np.ndarray) -> np.ndarray:
+        """``context(rid)`` + ``suffix`` as one array: when ``rid``'s context is the whole
+        spine, the suffix is written past the spine's end and the input is a view of it (no
+        copy of the context; the call's record then appends in place). One such input at a
+        time: while it is alive (a weak reference), others are copies, and `add` keeps any
+        other call off the spine, so nothing writes under it."""
+        c = self.calls[rid]
+        free = self._lent is None or self._lent() is None
+        if not (free and c.on_spine and rid == self._spine_rid):
+            return np.concatenate([self.context(rid), suffix])
+        n, k = self._spine_n, len(suffix)
+        self._reserve(n + k)
+        self._spine[n : n + k] = suffix
+        view = self._spine[: n + k]
+        self._lent = weakref.ref(view)
+        return view
+
+    def _reserve(self, need: int) -> None:
+        if need > len(self._spine):
+            grown = np.empty(max(2 * len(self._spine), need, 4096), dtype=np.int32)
+            grown[: self._spine_n] = self._spine[: self._spine_n]
+            self._spine = grown
+
     def _grow_spine(self, tokens: np.ndarray) -> None:
         """Append to the spine (capacity doubling; what is held never moves within a buffer,
         so earlier views of it stay exact)."""
         n, k = self._spine_n, len(tokens)
-        if n + k > len(self._spine):
-            grown = np.empty(max(2 * len(self._spine), n + k, 4096), dtype=np.int32)
-            grown[:n] = self._spine[:n]
-            self._spine = grown
+        self._reserve(n + k)
         self._spine[n : n + k] = tokens
         self._spine_n = n + k
 
     def held_bytes(self) -> int:
         """Bytes this index holds for the session (ids, digests, lookups, the last chat
         body): what grows with its tokens, Python object headers of the lookups included."""
-        n = 4 * self._spine_n + len(self._spine_hashes) + self._heads.nbytes
-        n += sum(a.nbytes for a in self._ctx.values())
-        for c in self.calls.values():
-            n += c.head.nbytes + (c.own.nbytes if c.own is not None else 0)
-            n += len(c.hashes) if c.hashes is not None else 0
-        n += sys.getsizeof(self._by_chunk)
-        n += sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._by_chunk.items())
+        n = self._held + len(self._spine_hashes) + self._heads.nbytes  # _held: kept by add
+        n += sum(a.nbytes for a in self._ctx.values()) + sys.getsizeof(self._by_chunk)
         memo = self.body_memo
         return n + (len(memo.raw) if memo is not None else 0)
 

@@ -458,7 +458,7 @@ def _extend(
     if calls.calls[rid].ended_im_end:  # the output already holds <|im_end|>: keep that id
         text = text[len(tok.im_end) :]
     suffix = np.asarray(tok.encode(text), dtype=np.int32)
-    ids = np.concatenate([calls.context(rid), suffix])
+    ids = calls.extend_on_spine(rid, suffix)  # context(rid) + suffix
     parent, n, hashes = calls.find_parent(ids, hint=rid)
     return ChatInput(ids, parent, n, "extend", hashes=hashes)
 

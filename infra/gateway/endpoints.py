@@ -1,8 +1,9 @@
 """HTTP endpoints of the gateway: thin adapters over the call pipeline, as a raw ASGI app.
 
 Each handler authenticates the session (``Authorization: Bearer <key>``), parses and validates
-the whole body (`infra.gateway.wire`: a bad request answers 4xx in OpenAI's error shape and
-stores nothing), opens the call and runs it through `CallPipeline` (which records the TITO call
+the body (`infra.gateway.wire`: a bad request answers 4xx in OpenAI's error shape and stores
+nothing; a chat body that extends the session's last one is parsed from where that one ended,
+`infra.gateway.chat_body`), opens the call and runs it through `CallPipeline` (which records the TITO call
 before it returns), then answers: a JSON body, or an SSE stream through the one pump
 (`infra.gateway.stream`).
 

@@ -58,7 +58,7 @@ def test_a_body_extending_the_memo_is_parsed_from_there():
 @pytest.mark.parametrize(
     "bad",
     [
-        B2.replace('"hé"}'.encode(), b'"he"}', 1),  # an earlier message edited
+        B2.replace('"hé"}'.encode(), '"hë"}'.encode(), 1),  # an earlier message edited
         B2.replace(b'"Hi"', b"NaN"),  # not JSON (stdlib json would take it)
         B2.replace(b'"Hi"', b'"\\ud800"'),  # a lone surrogate (the full parse refuses it)
         B2.replace(b'"max_tokens": 8', b'"model": "x"'),  # a key before the messages again
@@ -134,3 +134,25 @@ def test_ids_json_encodes_only_what_a_continuation_adds():
     payload = EngineClient._payload(got, {"max_new_tokens": 3}, "r4", True, False)
     want = EngineClient._payload(ids, {"max_new_tokens": 3}, "r4", True, False)
     assert _body(payload) == _dumps(want)
+
+
+def test_an_input_built_past_the_spine_end_is_lent_to_one_call_at_a_time():
+    calls = SessionCalls()
+    a = list(range(1, 11))
+    _add(calls, "a", a, [11], 0)
+    v = calls.extend_on_spine("a", np.array([12, 13], np.int32))
+    assert v.tolist() == [*range(1, 12), 12, 13] and np.shares_memory(v, calls._spine)
+    w = calls.extend_on_spine("a", np.array([14], np.int32))  # v is alive: a copy
+    assert w.tolist() == [*range(1, 12), 14] and not np.shares_memory(w, calls._spine)
+    assert v.tolist() == [*range(1, 12), 12, 13]  # not written under
+    # the copy's call records first: off the spine, so v's tokens stay where they are
+    parent, k, hashes = calls.find_parent(w, hint="a")
+    calls.add("w", 1, ChatInput(w, parent, k, "extend", hashes=hashes), np.array([9], np.int32))
+    assert not calls.calls["w"].on_spine and v.tolist() == [*range(1, 12), 12, 13]
+    # (a's context is v's prefix: find_parent would name w, the latest call sharing as much)
+    calls.add("v", 2, ChatInput(v, "a", 11, "extend"), np.array([15], np.int32))
+    assert calls.calls["v"].on_spine and calls.context("v").tolist() == [*range(1, 14), 15]
+    assert calls.context("w").tolist() == [*range(1, 12), 14, 9]
+    del v, w  # released: the next input is built on the spine again
+    u = calls.extend_on_spine("v", np.array([16], np.int32))
+    assert np.shares_memory(u, calls._spine) and u.tolist() == [*range(1, 14), 15, 16]

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from storage.store import Store
 
 _MARK = "COMPLETE"
+# a version's sharded training state (train.sharding=fsdp: torch.distributed.checkpoint
+# files, one per member, and their .metadata), staged with the version, committed by its
+# marker: tasks/train/sharded.py
+SHARDED_DIR = "sharded"
 _VDIR = re.compile(r"^v(\d+)$")
 
 
@@ -52,7 +56,8 @@ def commit_checkpoint(store: Store, run_id: str, version: int, record: dict | No
 
 
 def drop_optimizer_state(store: Store, run_id: str, below: int) -> list[int]:
-    """Delete the optimizer state of committed versions older than ``below``; returns them.
+    """Delete the optimizer state of committed versions older than ``below`` (and their
+    sharded training state, ``sharded/``, under train.sharding=fsdp); returns them.
 
     Only a step's start version's optimizer state is ever read (``restore_trainer``: a step,
     its retry, a DP joiner and ``--resume`` all start from the newest version), so older
@@ -65,8 +70,13 @@ def drop_optimizer_state(store: Store, run_id: str, below: int) -> list[int]:
             break
         rel = checkpoint_relpath(run_id, v)
         names = [n for n in store.listdir(rel) if n.startswith("optimizer")]
-        if any([store.remove(f"{rel}/{n}") for n in names]):
+        if SHARDED_DIR in store.listdir(rel):  # train.sharding=fsdp: weights + AdamW shards
+            names += [f"{SHARDED_DIR}/{n}" for n in store.listdir(f"{rel}/{SHARDED_DIR}")]
+        if any([store.remove(f"{rel}/{n}") for n in names]):  # remove: one file each
             dropped.append(v)
+        if store.protocol == "file":  # an object store has no empty directory to leave
+            with contextlib.suppress(OSError):
+                os.rmdir(store.path(f"{rel}/{SHARDED_DIR}"))
     return dropped
 
 
@@ -116,7 +126,9 @@ def fetch_checkpoint(
         store,
         rel,
         _cache_dest(store, run_id, f"v{version}", cache_dir),
-        lambda name: with_optimizer or not name.startswith("optimizer"),
+        # the sharded state is read in place by its members (sharded.load_sharded), never
+        # copied: a directory, which this flat copy cannot hold
+        lambda name: name != SHARDED_DIR and (with_optimizer or not name.startswith("optimizer")),
     )
 
 

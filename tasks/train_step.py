@@ -18,7 +18,10 @@ step starts from: older tokens are dropped (``stale_policy=drop``) or importance
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import random
 import tempfile
 import time
@@ -31,14 +34,22 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from infra.cells.cluster import cell_name, host_of, this_cell
-from storage.checkpoints import fetch_checkpoint, latest_version, stage_checkpoint
+from storage.checkpoints import (
+    SHARDED_DIR,
+    checkpoint_relpath,
+    fetch_checkpoint,
+    latest_version,
+    stage_checkpoint,
+)
 from storage.commits import commit_step_record, roll_forward
 from storage.store import Store
 from tasks.handles import TrainedStep
-from tasks.train import dp
+from tasks.train import dp, sharded
 from tasks.train.config import TrainConfig
-from tasks.train.trainer import Trainer
+from tasks.train.trainer import STATE_FILE, Trainer
 from tasks.trajectory.sampler import Sample
+
+log = logging.getLogger(__name__)
 
 
 class LedgerError(RuntimeError):
@@ -112,13 +123,75 @@ def _trainer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
-def restore_trainer(store: Store, run_id: str, version: int, cfg: TrainConfig) -> Trainer:
-    """A replica at ``version`` from the store's checkpoint, optimizer state included."""
-    path = fetch_checkpoint(store, run_id, version, with_optimizer=True)
+def _restore_kwargs(store: Store, run_id: str, cfg: TrainConfig) -> dict[str, Any]:
     kwargs = _trainer_kwargs(cfg)
     if cfg.kl_coef > 0:  # the KL term's reference: the run's first weights (the warm start)
         kwargs["ref_model_dir"] = fetch_checkpoint(store, run_id, 0)
-    return Trainer.load(path, version=version, **kwargs)
+    return kwargs
+
+
+def restore_trainer(store: Store, run_id: str, version: int, cfg: TrainConfig) -> Trainer:
+    """A replica at ``version`` from the store's checkpoint, optimizer state included."""
+    path = fetch_checkpoint(store, run_id, version, with_optimizer=True)
+    return Trainer.load(path, version=version, **_restore_kwargs(store, run_id, cfg))
+
+
+def sharded_url(store: Store, run_id: str, version: int) -> str:
+    """Where version ``version``'s sharded training state (DCP) lives: inside its checkpoint
+    directory, staged before the marker commits it."""
+    return store.full_url(f"{checkpoint_relpath(run_id, version)}/{SHARDED_DIR}")
+
+
+def restore_sharded(
+    store: Store, run_id: str, version: int, cfg: TrainConfig, group: dp.DPGroup
+) -> tuple[Trainer, str]:
+    """This member's shard of the trainer at ``version``, over ``group`` (collective): the
+    consolidated weights, sharded over the group's mesh, then this member's shards of the
+    committed step's weights and AdamW state (DCP reshards from any number of members).
+    Returns ``(trainer, how)``: ``resharded``, or ``checkpoint`` when ``version`` has no
+    sharded state (version 0, or one written with train.sharding=replicate: AdamW starts
+    fresh, logged)."""
+    path = fetch_checkpoint(store, run_id, version)
+    trainer = Trainer(path, version=version, **_restore_kwargs(store, run_id, cfg))
+    state = os.path.join(path, STATE_FILE)
+    if os.path.isfile(state):
+        with open(state) as fh:
+            trainer.n_steps = int(json.load(fh).get("n_steps", 0))
+    sharded.shard_trainer(trainer)
+    rel = f"{checkpoint_relpath(run_id, version)}/{SHARDED_DIR}/.metadata"
+    if not store.exists(rel):
+        if version:
+            log.warning(
+                "v%d has no sharded state (written with train.sharding=replicate?): the "
+                "sharded AdamW starts fresh",
+                version,
+            )
+        return trainer, "checkpoint"
+    return sharded.load_sharded(trainer, sharded_url(store, run_id, version)), "resharded"
+
+
+def _sharded_trainer(
+    store: Store, run_id: str, version: int, cfg: TrainConfig, group: dp.DPGroup, held: Any
+) -> tuple[Trainer, str]:
+    """The member's sharded trainer at ``version`` over ``group``: the held one when every
+    member holds one at ``version`` on this group's mesh, else all rebuild (collective; the
+    members agree first, since sharding and loading are collectives)."""
+    mine = held is not None and sharded.is_sharded(held) and held.version == version
+    if all(group.all_gather_ints(1 if mine else 0)):
+        return held, "kept"
+    return restore_sharded(store, run_id, version, cfg, group)
+
+
+def stage_sharded(store: Store, run_id: str, trainer: Trainer) -> str | None:
+    """Stage a sharded trainer's new version (collective, every member): its DCP state
+    (each member its own shards) and the consolidated checkpoint the engine loads (the
+    weights gathered to rank 0, with their digest). Returns the staged checkpoint's URL on
+    rank 0 (which stages it after every member's shards are written), None elsewhere."""
+    sharded.save_sharded(trainer, sharded_url(store, run_id, trainer.version))
+    with tempfile.TemporaryDirectory(prefix="gyre-ckpt-") as tmp:
+        if sharded.save_consolidated(trainer, tmp) is None:
+            return None
+        return stage_checkpoint(store, run_id, tmp, trainer.version)
 
 
 def get_trainer(store: Store, run_id: str, cfg: TrainConfig, holder: Any = None) -> Trainer:
@@ -167,13 +240,18 @@ def commit_step(
     t_start: float,
     generation: int = 0,
     mode: str = "",
+    staged: str | None = None,
 ) -> TrainedStep:
-    """Stage the new version's checkpoint, then commit it together with the step's ledger
-    rows and ``steps`` row in one atomic write (storage/commits.py)."""
+    """Stage the new version's checkpoint (unless ``staged``: its URL, already staged, as a
+    sharded step does), then commit it together with the step's ledger rows and ``steps``
+    row in one atomic write (storage/commits.py)."""
     version = trainer.version
-    with tempfile.TemporaryDirectory(prefix="gyre-ckpt-") as tmp:
-        trainer.save(tmp)
-        url = stage_checkpoint(store, run_id, tmp, version)
+    if staged is not None:
+        url = staged
+    else:
+        with tempfile.TemporaryDirectory(prefix="gyre-ckpt-") as tmp:
+            trainer.save(tmp)
+            url = stage_checkpoint(store, run_id, tmp, version)
     t1 = time.time()
     lags = [sample_lag(s, start_version) for s in samples]
     n_tok = sum(n for _, _, n in lags)
@@ -242,6 +320,10 @@ def train_on_samples(
     )
 
 
+# train/dp_sync: how a member came to the step's start version
+SYNC_CODES = {"kept": 0.0, "broadcast": 1.0, "checkpoint": 2.0, "resharded": 3.0}
+
+
 def member_step(
     store: Store,
     run_id: str,
@@ -274,15 +356,23 @@ def member_step(
             timeout_s=timeout_s,
             local_host=host_of(where) if where else None,
         )
+        if holder.trainer is not None and sharded.is_sharded(holder.trainer):
+            holder.trainer = None  # its FSDP mesh belonged to the group just closed
     group = holder.dp
     run = (store.url, run_id)
     mine = holder.trainer if getattr(holder, "trainer_run", None) == run else None
-    trainer, how = dp.sync_state(
-        group,
-        mine,
-        plan.version,
-        lambda: restore_trainer(store, run_id, plan.version, cfg),
-    )
+    fsdp = cfg.sharding == "fsdp"
+    if fsdp:
+        trainer, how = _sharded_trainer(store, run_id, plan.version, cfg, group, mine)
+    else:
+        if mine is not None and sharded.is_sharded(mine):
+            mine = None  # a sharded trainer is no replica to keep or broadcast
+        trainer, how = dp.sync_state(
+            group,
+            mine,
+            plan.version,
+            lambda: restore_trainer(store, run_id, plan.version, cfg),
+        )
     holder.trainer, holder.trainer_run = trainer, run
     samples = [s for seg in plan.segments for s in load_samples(store, seg)]
     samples.sort(key=lambda s: s.sample_id)  # the same order on every member
@@ -318,19 +408,30 @@ def member_step(
         device_s = s_per_token * (
             sum(s.n_tokens for s in mine) + sum(s.n_tokens for s in together) / group.world
         )
-    metrics = trainer.step(
-        mine,
-        current_version=plan.version,
-        normalizer=normalizer,
-        reduce_grads=_paced(group, started, device_s),
-        cp_samples=together,
-    )
+    if fsdp:  # the same split (dp.shard) and normaliser, inside sharded_step
+        metrics = sharded.sharded_step(
+            trainer,
+            train_on,
+            rank=rank,
+            world=group.world,
+            current_version=plan.version,
+            before_reduce=lambda: dp.pace(started, device_s),
+        )
+    else:
+        metrics = trainer.step(
+            mine,
+            current_version=plan.version,
+            normalizer=normalizer,
+            reduce_grads=_paced(group, started, device_s),
+            cp_samples=together,
+        )
     metrics["train/context_parallel_samples"] = float(len(together))
     metrics = group.reduce_metrics(metrics)
     rewards = [s.reward for s in samples]
     metrics["train/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
     metrics["train/dropped_stale_tokens"] = float(dropped)
-    metrics["train/dp_sync"] = {"kept": 0.0, "broadcast": 1.0, "checkpoint": 2.0}[how]
+    metrics["train/dp_sync"] = SYNC_CODES[how]
+    staged = stage_sharded(store, run_id, trainer) if fsdp else None
     if rank != 0:
         return TrainedStep(
             step=plan.step, weight_version=trainer.version, checkpoint="", metrics=metrics
@@ -347,6 +448,7 @@ def member_step(
         t_start=t0,
         generation=plan.generation,
         mode=mode,
+        staged=staged,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainConfig(BaseModel):
@@ -104,3 +104,13 @@ class TrainConfig(BaseModel):
         "step's torch.distributed.checkpoint state: tasks/train/sharded.py). Same "
         "updates either way; fsdp for models whose training state does not fit one cell",
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_split_a_sample(self) -> TrainConfig:
+        if self.sharding == "fsdp" and self.context_parallel_tokens:
+            raise ValueError(
+                "train.context_parallel_tokens is not combined with train.sharding=fsdp "
+                "(a sharded step trains each sample whole on one member): set "
+                "train.context_parallel_tokens=0, or train.sharding=replicate"
+            )
+        return self

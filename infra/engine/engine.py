@@ -104,6 +104,33 @@ class Request:
                 log.exception("request listener failed for %s", self.rid)
 
 
+MMAP_THRESHOLD = 1 << 16  # bytes: larger allocations get their own mapping (glibc)
+
+
+def return_large_frees_to_os() -> bool:
+    """Make glibc map every allocation above ``MMAP_THRESHOLD`` on its own, so that a freed
+    KV copy, prefill mask or logits buffer goes back to the OS at once (idempotent).
+
+    glibc's default threshold grows with each freed mapping up to 32 MB, after which the
+    per-call tensors of a long session (a prefix copy, a (B, Q, P + Q) mask) come from the
+    heap and fragment it: the resident size of one engine serving two 60K-token sessions
+    was 1.85 GB (peak 2.1) for 62 MB of live tensors, 0.63 GB (peak 0.98) with this set.
+    Returns False where there is no glibc (nothing to do)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        ok = libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) == 1
+        return ok and libc.mallopt(m_trim_threshold, 4 * MMAP_THRESHOLD) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 class Engine:
     """Embedded CPU engine over any local HF causal-LM checkpoint directory."""
 
@@ -145,6 +172,7 @@ class Engine:
         self._torch_threads = torch_threads
         self._pack_weights = bool(pack_weights)
         self.max_batch_size = max_batch_size
+        return_large_frees_to_os()
         self.model, self.tokenizer = self._load(self.model_dir)
         cfg = self.model.config.get_text_config(decoder=True)
         self.model_type = str(getattr(cfg, "model_type", "") or "")  # qwen3, llama, qwen2, ...

@@ -16,6 +16,7 @@ GROWTH = ROOT / "bench" / "workloads" / "growth.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.integration
 def test_quick_bench_live_agrees_with_the_simulator(tmp_path):
     out = tmp_path / "modes.json"

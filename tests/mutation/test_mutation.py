@@ -22,6 +22,7 @@ def test_every_mutant_still_applies():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.mutation
 def test_kill_rate_of_the_learning_tests(tmp_path):
     results = runner.run(MUTANTS, keep=tmp_path)

@@ -602,7 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--cells", type=int, default=None, help="resize every row of the reference's size"
     )
     ap.add_argument(
-        "--sections", default="headline,size,workload,policy,curve,ablation,sweep,transit"
+        "--sections",
+        default=None,
+        help="default: headline,size,workload,policy,curve,ablation and (not with --quick, "
+        "which stays ~1 min) sweep,transit: every workload file at --sweep-sizes cells "
+        "(the worst_* figures over all of them) and issue 25's ablations",
     )
     ap.add_argument(
         "--sweep-sizes",
@@ -610,6 +614,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="cell counts the sweep runs every workload file at",
     )
     args = ap.parse_args(argv)
+    if args.sections is None:
+        args.sections = "headline,size,workload,policy,curve,ablation"
+        if not args.quick:
+            args.sections += ",sweep,transit"
     sections = set(args.sections.split(","))
     t0 = time.perf_counter()
     run = Runner([0])

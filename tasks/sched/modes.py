@@ -246,7 +246,9 @@ class Elastic:
       come from ``SchedState.costs`` (calibrated, ``tasks/sched/costs.py``) and
       training is staffed with the member count whose run is fastest net of
       the round trips its members make (``trip_in_sizing=False``: the ablation
-      that counts no trips).
+      that counts no trips); while every measured step had one DP size, a ready
+      step is staffed one larger (``explore``), else the fit can never tell
+      per-sample from per-member cost and keeps the guess's split all run.
     """
 
     batch: int

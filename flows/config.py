@@ -351,16 +351,20 @@ def settings_text(cfg: RunConfig | None = None, changed_only: bool = False) -> s
     whose value is not the default."""
     import textwrap
 
+    # a setting left at None resolves from another (train.temperature from rollout's): it
+    # differs from the default only where its resolved value differs from a default run's
+    resolved = {s["key"]: s["value"] for s in settings(RunConfig())}
     lines = []
     for s in settings(cfg):
-        if changed_only and s["value"] == s["default"]:
+        default = resolved.get(s["key"], s["default"])
+        if changed_only and s["value"] == default:
             continue
         value = yaml.safe_dump(s["value"], default_flow_style=True).strip().removesuffix("...")
         value = value.strip()
         lines.append(f"{s['key']}={value}")
         note = s["description"]
-        if s["value"] != s["default"]:
-            note += f" (default {s['default']!r})"
+        if s["value"] != default:
+            note += f" (default {default!r})"
         lines += textwrap.wrap(note, 100, initial_indent="    # ", subsequent_indent="    # ")
     return "\n".join(lines)
 

@@ -141,6 +141,13 @@ def test_gyre_config_list_shows_every_setting_with_the_presets_values(capsys):
     assert main(["config", "--preset", "demo"]) == 0
     short = capsys.readouterr().out
     assert "train.steps=50" in short and "cluster.memory_limit" not in short
+    # settings left at None resolve from others (train.temperature from the rollouts'): a
+    # default run lists nothing; a changed rollout temperature lists both it and the trainer's
+    assert main(["config"]) == 0
+    assert capsys.readouterr().out.startswith("every setting at its default")
+    assert main(["config", "rollout.temperature=0.7"]) == 0
+    changed = [ln.split("=")[0] for ln in capsys.readouterr().out.splitlines() if "=" in ln[:40]]
+    assert {"rollout.temperature", "train.temperature"} <= set(changed), changed
 
 
 def test_a_cmd_harness_override_is_a_string_not_a_mapping():

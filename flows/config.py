@@ -163,8 +163,11 @@ _TOOLS_ROLLOUT: dict[str, Any] = {
 # has the setting (infra/engine: make_tiny_model(max_position_embeddings=...))
 LONG_POSITIONS = 262_144
 _LONG_MODEL: dict[str, Any] = {
-    # a group's two sessions resident at once (~125K each) plus the radix cache's prefixes
-    "kv_cache_tokens": 2 * LONG_POSITIONS,
+    # a rollout cell holds up to 2 groups of 2 sessions (~125K tokens each), and a running
+    # call holds a copy of its session's KV beside the radix cache's: 8 x 125K. At 2 x
+    # LONG_POSITIONS the cache evicted one session's prefix to admit another's call, which
+    # then re-prefilled ~80K tokens (30-150 s a call instead of ~1 s)
+    "kv_cache_tokens": 4 * LONG_POSITIONS,
     **(
         {"max_position_embeddings": LONG_POSITIONS}
         if "max_position_embeddings" in ModelConfig.model_fields

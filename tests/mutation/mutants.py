@@ -591,8 +591,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "step committed under the start version's label",
         "tasks/train_step.py",
-        "    version = trainer.version\n    with tempfile",
-        "    version = start_version\n    with tempfile",
+        "    version = trainer.version\n    if staged is not None:",
+        "    version = start_version\n    if staged is not None:",
         G_DP,
     ),
     Mutant(

@@ -6,6 +6,7 @@ cell serving two ~118K-token sessions passed the 6 GiB worker limit and was rest
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,8 +41,16 @@ PROBE = textwrap.dedent(
 
 def _probe(mode: str) -> tuple[float, float]:
     code = PROBE.format(root=str(ROOT))
+    # glibc's own defaults: a MALLOC_* variable in the environment (distributed sets
+    # MALLOC_TRIM_THRESHOLD_ for its workers) switches its dynamic threshold off
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
-        [sys.executable, "-c", code, mode], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", code, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=env,
     ).stdout
     held, after = map(float, out.split())
     return held, after

@@ -112,27 +112,13 @@ def cp_attention_forward(
             continue
         if c.keys is None:  # a root chain: its own tokens, contiguous
             k, v, depth = key[:, :, c.start : c.end], value[:, :, c.start : c.end], 0
-        elif c.key_range is not None:
-            k0, k1 = c.key_range
-            k, v = key[:, :, k0:k1], value[:, :, k0:k1]
-            depth = len(c.keys) - (c.end - c.start)
         else:
-            keys = c.keys.to(key.device)
-            k, v = key.index_select(2, keys), value.index_select(2, keys)
+            k, v = tree_attention.chain_keys(c, key, value)
             depth = len(c.keys) - (c.end - c.start)  # ancestors before the chain
         # query blocks of at most BLOCK rows, each masked over the keys it can see: a
         # member's slice of a long path never builds an (n_r, N) mask
-        for b in tree_attention._blocks(q_lo, q_hi, c.start, depth, tree_attention.BLOCK):
-            o = F.scaled_dot_product_attention(
-                query[:, :, b.q_lo - cp.lo : b.q_hi - cp.lo],
-                k[:, :, : b.n_keys],
-                v[:, :, : b.n_keys],
-                attn_mask=b.mask.to(query.device),
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            outs.append(o)
+        blocks = tree_attention._blocks(q_lo, q_hi, c.start, depth, tree_attention.BLOCK)
+        outs += tree_attention.attend_blocks(query, k, v, blocks, cp.lo, dropout, scaling, gqa)
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, H, n_r, D)
     return out.transpose(1, 2).contiguous(), None
 

@@ -197,25 +197,46 @@ def tree_attention_forward(
             )
             outs.append(o)
             continue
-        if c.key_range is not None:
-            k0, k1 = c.key_range
-            k, v = key[:, :, k0:k1], value[:, :, k0:k1]  # (1, Hkv, P + L, D), views
-        else:
-            keys = c.keys.to(key.device)
-            k, v = key.index_select(2, keys), value.index_select(2, keys)
-        for b in c.blocks:
-            o = F.scaled_dot_product_attention(
-                query[:, :, b.q_lo - q0 : b.q_hi - q0],
-                k[:, :, : b.n_keys],
-                v[:, :, : b.n_keys],
-                attn_mask=b.mask.to(query.device),
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            outs.append(o)
+        k, v = chain_keys(c, key, value)
+        outs += attend_blocks(query, k, v, c.blocks, q0, dropout, scaling, gqa)
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, H, N, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def chain_keys(c: Chain, key: torch.Tensor, value: torch.Tensor):
+    """The keys/values (1, Hkv, P + L, D) a keyed chain attends to: views of a contiguous
+    ``key_range``, else gathered by index."""
+    if c.key_range is not None:
+        k0, k1 = c.key_range
+        return key[:, :, k0:k1], value[:, :, k0:k1]
+    keys = c.keys.to(key.device)
+    return key.index_select(2, keys), value.index_select(2, keys)
+
+
+def attend_blocks(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: list[Block],
+    q0: int,
+    dropout: float,
+    scaling: float | None,
+    gqa: bool,
+) -> list[torch.Tensor]:
+    """SDPA of each query block (rows ``[q_lo - q0, q_hi - q0)`` of ``query``) over the first
+    ``n_keys`` of ``k``/``v`` with its mask; the outputs (1, H, rows, D) in block order."""
+    return [
+        F.scaled_dot_product_attention(
+            query[:, :, b.q_lo - q0 : b.q_hi - q0],
+            k[:, :, : b.n_keys],
+            v[:, :, : b.n_keys],
+            attn_mask=b.mask.to(query.device),
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for b in blocks
+    ]
 
 
 def enable(model: torch.nn.Module) -> None:

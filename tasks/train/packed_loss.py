@@ -277,6 +277,21 @@ class _Terms:
             self.clipped += n_clip
             self.n_ppo += active
 
+    def add_rows(self, model, ref_model, stats, src, idx: np.ndarray, **kw) -> None:
+        """``add`` for the tokens ``idx`` of ``src`` (a Packed micro-batch or a Sample: the
+        same per-token arrays)."""
+        self.add(
+            model,
+            ref_model,
+            stats,
+            src.behaviour_logprobs[idx],
+            src.weight_pos[idx],
+            src.weight_neg[idx],
+            src.counts[idx],
+            src.versions[idx],
+            **kw,
+        )
+
     def metrics(self) -> dict[str, float]:
         return {
             "loss": self.loss,
@@ -349,15 +364,12 @@ def tree_loss_and_grads(
                 )
             return packed_token_stats(m, p, sel, device, attention, dist, entropy=need_entropy)
 
-        terms.add(
+        terms.add_rows(
             model,
             ref_model,
             stats,
-            p.behaviour_logprobs[sel],
-            p.weight_pos[sel],
-            p.weight_neg[sel],
-            p.counts[sel],
-            p.versions[sel],
+            p,
+            sel,
             cfg=cfg,
             normalizer=normalizer,
             min_version=min_version,
@@ -423,15 +435,12 @@ def _context_parallel_terms(
         )
         return logp, ent
 
-    terms.add(
+    terms.add_rows(
         model,
         ref_model,
         stats,
-        p.behaviour_logprobs[mine],
-        p.weight_pos[mine],
-        p.weight_neg[mine],
-        p.counts[mine],
-        p.versions[mine],
+        p,
+        mine,
         cfg=cfg,
         normalizer=normalizer,
         min_version=min_version,
@@ -478,15 +487,12 @@ def flat_loss_and_grads(
             targets = ids[0, torch.as_tensor(sel, device=device)]
             return _token_stats(m, hidden, rows, targets, dist, need_entropy)
 
-        terms.add(
+        terms.add_rows(
             model,
             ref_model,
             stats,
-            b.behaviour_logprobs[sel],
-            b.weight_pos[sel],
-            b.weight_neg[sel],
-            b.counts[sel],
-            b.versions[sel],
+            b,
+            sel,
             cfg=cfg,
             normalizer=normalizer,
             min_version=min_version,

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tasks.train import split_attention
+
 NAME = "gyre_tree"
 BLOCK = 256
 
@@ -223,8 +225,19 @@ def attend_blocks(
     scaling: float | None,
     gqa: bool,
 ) -> list[torch.Tensor]:
-    """SDPA of each query block (rows ``[q_lo - q0, q_hi - q0)`` of ``query``) over the first
-    ``n_keys`` of ``k``/``v`` with its mask; the outputs (1, H, rows, D) in block order."""
+    """Attention of each query block (rows ``[q_lo - q0, q_hi - q0)`` of ``query``) over the
+    first ``n_keys`` of ``k``/``v`` under its mask; the outputs (1, H, rows, D) in order.
+
+    The blocks of one chain span rows ``[lo, hi)`` that see an unmasked prefix of
+    ``blocks[0].diag`` keys and then their own keys causally, so where
+    ``split_attention`` runs they go as one call of it (two fused kernels, no mask)."""
+    if blocks and split_attention.available(query, dropout):
+        lo, hi, n_prefix = blocks[0].q_lo, blocks[-1].q_hi, blocks[0].diag
+        n_keys = n_prefix + hi - lo
+        q = query[:, :, lo - q0 : hi - q0]
+        return [
+            split_attention.prefix_causal(q, k[:, :, :n_keys], v[:, :, :n_keys], n_prefix, scaling)
+        ]
     return [
         F.scaled_dot_product_attention(
             query[:, :, b.q_lo - q0 : b.q_hi - q0],

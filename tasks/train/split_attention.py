@@ -66,17 +66,15 @@ def prefix_causal(
     scale: float | None = None,
 ) -> torch.Tensor:
     """query (1, H, L, D); key/value (1, Hkv, n_prefix + L, D): row r sees keys
-    ``[0, n_prefix + r]``. Returns (1, H, L, D). Grouped-query heads (Hkv | H) are repeated
-    as SDPA's ``enable_gqa`` does (query head h reads key head h // (H / Hkv))."""
+    ``[0, n_prefix + r]``. Returns (1, H, L, D). Grouped-query heads (Hkv | H): query head
+    h reads key head h // (H / Hkv), as SDPA's ``enable_gqa``; the CPU kernels take them as
+    they are (no repeated copy of the keys, forward or backward)."""
     n_rows = query.shape[2]
     if key.shape[2] != n_prefix + n_rows:
         raise ValueError(
             f"{n_rows} query rows over a prefix of {n_prefix} need {n_prefix + n_rows} keys, "
             f"got {key.shape[2]}"
         )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
     return _PrefixCausal.apply(
         query,

@@ -82,6 +82,7 @@ def connect(store: Store, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> duckdb.Du
     con.execute("SET enable_external_access = false")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
+    con.execute("SET enable_progress_bar = false")  # drawn on stdout past 2 s, among the rows
     con.execute("SET lock_configuration = true")
     for name in VIEWS:
         # every column of the schema, in its order, even where no segment has it yet (a

@@ -40,7 +40,7 @@ _ENV_DEFAULTS = {
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import ConfigError, load_config
-    from flows.preflight import checked
+    from flows.preflight import check_prefect_api, checked
     from flows.procs import bounded_stop, forget, prefect_api, reap_orphans
     from flows.resume import new_run_id, resume_config
     from storage.lease import LeaseHeld, check_free
@@ -58,10 +58,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     args.preset = args.preset or (None if args.resume else "tiny")
     reap_orphans()  # what a killed run left behind (its Prefect server, stray cells)
+    # a PREFECT_API_URL that nothing answers at: said (with the config's problems) before
+    # anything is created, not as a traceback from the flow's first call
+    env = [why] if (why := check_prefect_api(os.environ.get("PREFECT_API_URL"))) else []
     try:  # fail before anything starts, every problem at once
         if args.resume:
             cfg = checked(
-                lambda: resume_config(args.resume, args.store or DEFAULT_STORE, args.overrides)
+                lambda: resume_config(args.resume, args.store or DEFAULT_STORE, args.overrides),
+                also=env,
             )
         else:
             cfg = checked(
@@ -70,10 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                     preset=args.preset,
                     overrides=args.overrides,
                     store=args.store,
-                )
+                ),
+                also=env,
             )
-    except ConfigError as exc:
-        print(f"gyre run: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # the environment's problem alone: one line
+        print(f"gyre run: {env[0] if exc.problems == env else exc}", file=sys.stderr)
         return 2
     run_id = cfg.run_id or new_run_id()  # named here, so that a stopped run can be resumed
     try:  # another process writing this run: say so before starting anything

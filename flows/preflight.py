@@ -5,7 +5,9 @@ it against the machine and the network: the store is reachable and writable (its
 bucket exists), the gateway's port is free, an external Dask scheduler answers with a
 worker per cell, ``model.path`` is a checkpoint and ``model.name`` can be prepared. Every problem is reported at once,
 as a `flows.config.ConfigError`, each naming the setting, the value, and the fix;
-`checked` adds them to the errors of a config that has some.
+`checked` adds them to the errors of a config that has some. `check_prefect_api` checks the
+environment's ``PREFECT_API_URL`` (``gyre run`` asks it first: with one set, the run uses
+that server instead of starting its own).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flows.config import WORLD_KEYS, ConfigError, RunConfig
@@ -182,20 +184,52 @@ def preflight(cfg: RunConfig, *, only: frozenset[str] | None = None, create: boo
         raise ConfigError(problems)
 
 
-def checked(load: Callable[[], RunConfig]) -> RunConfig:
+def check_prefect_api(url: str | None, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the Prefect API at ``url`` (the environment's ``PREFECT_API_URL``) cannot serve
+    a run, or None: unset (a run starts a temporary server of its own), or it answers (any
+    HTTP reply: Prefect Cloud's workspaces answer without the self-hosted ``/health``)."""
+    if not url:
+        return None
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        why = str(exc) or type(exc).__name__
+        return (
+            f"PREFECT_API_URL={url!r}: no Prefect API answers there ({why}); unset "
+            "PREFECT_API_URL for a temporary server of the run's own, or start one with "
+            "`prefect server start` and point PREFECT_API_URL at it "
+            "(http://127.0.0.1:4200/api)"
+        )
+    return None
+
+
+def checked(load: Callable[[], RunConfig], also: Sequence[str] = ()) -> RunConfig:
     """``load()`` (a `flows.config.load_config`) then `preflight`, every problem at once: a
     config with errors still has its valid world settings checked, and both are reported
-    together in one `ConfigError`."""
+    together in one `ConfigError`. ``also``: problems found before (the environment's,
+    `check_prefect_api`), reported first; with any, the checks create nothing either."""
     try:
         cfg = load()
     except ConfigError as exc:
         if exc.partial is None:
+            if also:
+                raise ConfigError([*also, *exc.problems]) from None
             raise
         only = frozenset(WORLD_KEYS) - exc.unchecked
         try:
             preflight(exc.partial, only=only, create=False)
         except ConfigError as world:
-            raise ConfigError(exc.problems + world.problems) from None
+            raise ConfigError([*also, *exc.problems, *world.problems]) from None
+        if also:
+            raise ConfigError([*also, *exc.problems]) from None
         raise
+    if also:
+        try:
+            preflight(cfg, create=False)
+        except ConfigError as world:
+            raise ConfigError([*also, *world.problems]) from None
+        raise ConfigError(list(also))
     preflight(cfg)
     return cfg

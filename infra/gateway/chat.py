@@ -36,6 +36,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from infra.gateway.call_index import CHUNK, ChainMemo, ChatInput, SessionCalls, digest
+from infra.gateway.token_bound import chars_per_token_cap, min_tokens
 from infra.gateway.tool_prompt import TemplateTools, ToolsNotShown
 from infra.gateway.wire import ChatMessage, validation_error
 
@@ -45,6 +46,7 @@ __all__ = [
     "ChatInput",
     "ChatInputError",
     "ChatTokenizer",
+    "ContextTooLong",
     "SessionCalls",
     "apply_stop",
     "build_chat_input",
@@ -71,11 +73,29 @@ _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 class ChatInputError(ValueError):
     """The messages (or tools) cannot be rendered: a 400 for the harness (``param``: the
-    request field to blame, if not the messages)."""
+    request field to blame, if not the messages; ``code``: OpenAI's error code, if any)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+class ContextTooLong(ChatInputError):
+    """The input cannot fit the model's context, known from its length before tokenizing."""
+
+    def __init__(self, limit: int, known: int, at_least: int, chars: int):
+        before = f"{known} tokens before " if known else ""
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens; the input has at least "
+            f"{known + at_least} ({before}a text of {chars} characters, at least {at_least} "
+            "tokens by its length; not tokenized): shorten it",
+            code="context_length_exceeded",
+        )
+        self.limit, self.at_least = limit, known + at_least
+
+
+BIG_TEXT = 32_768  # characters: a text this long is tokenized with the GIL released
 
 
 # -- tokenizer + template --------------------------------------------------------------------
@@ -118,6 +138,19 @@ class ChatTokenizer:
             )
         self.fast_suffix = False
         self.message_local = self._check_message_local()
+        # tokens(text) >= len(text) / token_cap (infra/gateway/token_bound.py), or None
+        self.token_cap = self._check_cap(
+            chars_per_token_cap(json.loads(self.backend.to_str()), self.backend.get_vocab(True))
+        )
+        self._encode_big = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+
+    def _check_cap(self, cap: int | None) -> int | None:
+        """The bound, once checked on a probe text of long and short tokens (a tokenizer that
+        breaks it, whatever the reason, gets none: its texts are simply tokenized)."""
+        if cap is None:
+            return None
+        probe = "  word, words\n\n\t" * 50 + "ä漢字 \U0001f600 <|im_end|>" * 20 + " " * 500
+        return cap if len(self.encode(probe)) >= min_tokens(probe, cap) else None
 
     def _check_message_local(self) -> bool:
         """Does a message render the same whatever came before it (bar a leading system turn)?
@@ -223,7 +256,15 @@ class ChatTokenizer:
         except Exception as exc:  # jinja errors on odd message shapes
             raise ChatInputError(f"cannot render messages with the chat template: {exc}") from exc
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, limit: int | None = None, known: int = 0) -> list[int]:
+        """Token ids of ``text``. With ``limit`` (the model's context), `ContextTooLong` before
+        any tokenizing when ``known`` tokens before it and the least ``text`` can take reach
+        it. A long text is tokenized with the GIL released (``encode`` holds it throughout:
+        seconds for a few MB, during which no other thread of the process runs)."""
+        if limit and known + (n := min_tokens(text, self.token_cap)) >= limit:
+            raise ContextTooLong(limit, known, n, len(text))
+        if len(text) >= BIG_TEXT:
+            return self._encode_big([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
@@ -448,31 +489,44 @@ def find_by_reply(
 
 
 def _extend(
-    tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], k: int, rid: str, tools
+    tok: ChatTokenizer,
+    calls: SessionCalls,
+    messages: list[dict],
+    k: int,
+    rid: str,
+    tools,
+    limit: int | None = None,
 ) -> ChatInput | None:
     """Call ``rid``'s context + output as generated + the template's text after its reply
     ``messages[k]``; None when the template is not prefix-stable there."""
     text = tok.suffix_after_reply(messages, k, tools)  # starts at the reply's <|im_end|>
     if text is None:
         return None
-    if calls.calls[rid].ended_im_end:  # the output already holds <|im_end|>: keep that id
+    state = calls.calls[rid]
+    if state.ended_im_end:  # the output already holds <|im_end|>: keep that id
         text = text[len(tok.im_end) :]
-    suffix = np.asarray(tok.encode(text), dtype=np.int32)
+    suffix = np.asarray(tok.encode(text, limit=limit, known=state.context_len), dtype=np.int32)
     ids = calls.extend_on_spine(rid, suffix)  # context(rid) + suffix
     parent, n, hashes = calls.find_parent(ids, hint=rid)
     return ChatInput(ids, parent, n, "extend", hashes=hashes)
 
 
 def build_chat_input(
-    tok: ChatTokenizer, calls: SessionCalls, messages: list[dict], tools: list | None
+    tok: ChatTokenizer,
+    calls: SessionCalls,
+    messages: list[dict],
+    tools: list | None,
+    limit: int | None = None,
 ) -> ChatInput:
-    """Token ids for a chat call: extend an earlier call exactly, else template everything."""
+    """Token ids for a chat call: extend an earlier call exactly, else template everything.
+    ``limit``: the model's context (`ContextTooLong` before tokenizing what cannot fit)."""
     keys = message_chain(messages, tools, calls.chain_memo)
     found = find_by_reply(calls, keys, messages)
     after, at = found if found is not None else (None, 0)
-    inp = _extend(tok, calls, messages, at, after, tools) if found is not None else None
+    inp = _extend(tok, calls, messages, at, after, tools, limit) if found is not None else None
     if inp is None:
-        ids = np.asarray(tok.encode(tok.render(messages, tools, True)), dtype=np.int32)
+        text = tok.render(messages, tools, True)
+        ids = np.asarray(tok.encode(text, limit=limit), dtype=np.int32)
         parent, k, hashes = calls.find_parent(ids)
         inp = ChatInput(ids, parent, k, "branch", hashes=hashes)
     inp.msg_key, inp.after, inp.after_at = keys[-1], after, at
@@ -487,6 +541,7 @@ def extend_chat_input(
     new: list[dict],
     tools: list | None,
     msg_key: bytes,
+    limit: int | None = None,
 ) -> ChatInput | None:
     """`build_chat_input` for messages whose first ``t`` are the session's last chat body's
     (chain key ``msg_key``, first message ``head``) and whose others are ``new``: the same
@@ -506,7 +561,7 @@ def extend_chat_input(
         if rid is None:
             continue
         # a message-local template reads messages[0] and messages[k:] only
-        inp = _extend(tok, calls, [head, *new[j:]], 1, rid, tools)
+        inp = _extend(tok, calls, [head, *new[j:]], 1, rid, tools, limit)
         if inp is None:
             return None
         inp.msg_key, inp.after, inp.after_at = keys[-1], rid, t + j

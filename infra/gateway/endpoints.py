@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from infra.gateway.chat import (
     ChatInput,
@@ -30,6 +30,7 @@ from infra.gateway.chat import (
     tools_key,
 )
 from infra.gateway.chat_body import body_memo, parse_tail
+from infra.gateway.pipeline import OFFLOAD_BYTES
 from infra.gateway.replies import (
     chat_body,
     chat_logprobs,
@@ -77,6 +78,7 @@ log = logging.getLogger(__name__)
 _JSON = [(b"content-type", b"application/json")]
 _RESPONSE = "/v1/responses/"  # GET /v1/responses/{id}
 Send = Callable[[dict], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Request:
@@ -120,6 +122,35 @@ class Request:
         if auth[:7].lower() == "bearer ":
             return auth[7:].strip() or None
         return self.header(b"x-api-key") or None
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)``, on a worker thread when the request is large (``size`` bytes), so that
+    its CPU work never holds up the event loop (every other session, ``/health``)."""
+    if size >= OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def token_input(tok, prompt: str | list[int] | None, param: str):
+    """The ``build`` of a call whose harness sent token ids or a text (completions,
+    generate): a text is tokenized there (off the loop when large, refused from its length
+    when it cannot fit), ids are checked against the vocabulary once they could fit."""
+
+    def build(calls: SessionCalls, limit: int | None) -> ChatInput:
+        if isinstance(prompt, str) and prompt:
+            ids = tok.encode(prompt, limit=limit)
+        else:
+            ids = prompt
+            if limit and ids and len(ids) >= limit:  # the budget's 400, before the vocab scan
+                raise ChatInputError(
+                    f"This model's maximum context length is {limit} tokens; the input has "
+                    f"{len(ids)}.",
+                    code="context_length_exceeded",
+                )
+        return build_token_input(calls, check_token_ids(ids, tok.vocab_size, param))
+
+    return build
 
 
 async def send_json(send: Send, obj: Any, status: int = 200, res: GenResult | None = None) -> None:
@@ -211,27 +242,35 @@ class GatewayApp:
         gw = self.gw
         s = self.session_of(req)
         raw = await req.body(gw.max_body_bytes)
-        # only what is new since the session's last chat body, when it extends that one
-        tail = parse_tail(raw, gw.session_calls(s).body_memo)
-        body = tail.request if tail is not None else parse_body(ChatRequest, raw)
+        memo = gw.session_calls(s).body_memo
+
+        def parse():
+            # only what is new since the session's last chat body, when it extends that one
+            tail = parse_tail(raw, memo)
+            body = tail.request if tail is not None else parse_body(ChatRequest, raw)
+            return tail, body, template_messages(body.messages)
+
+        tail, body, messages = await off_loop(len(raw), parse)
         model = self.check_model(body.model)
         gp = body.gen_params()
-        messages, tools, tok = template_messages(body.messages), body.tools, gw.tok
+        tools, tok = body.tools, gw.tok
         whole: list[ChatRequest] = []  # the whole body, when the new messages were not enough
 
-        def build(calls: SessionCalls) -> ChatInput:
+        def build(calls: SessionCalls, limit: int | None) -> ChatInput:
             nonlocal messages
             inp, fast = None, tail
             if tail is not None:
                 m = tail.memo
-                inp = extend_chat_input(tok, calls, m.head, tail.t, messages, tools, m.msg_key)
+                inp = extend_chat_input(
+                    tok, calls, m.head, tail.t, messages, tools, m.msg_key, limit
+                )
                 if inp is None:
                     whole.append(parse_body(ChatRequest, raw))
                     messages, fast = template_messages(whole[0].messages), None
                 else:
                     calls.chain_memo.state = None  # its messages: not kept twice
             if inp is None:
-                inp = build_chat_input(tok, calls, messages, tools)
+                inp = build_chat_input(tok, calls, messages, tools, limit)
             if tok.message_local:
                 head = tail.memo.head if fast is not None else messages[0]
                 got = whole[0] if whole else body
@@ -240,7 +279,7 @@ class GatewayApp:
             return inp
 
         call = await gw.pipeline.open(
-            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools
+            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools, size=len(raw)
         )
         after, at = call.inp.after, call.inp.after_at
         gw.counters["chat_tail_parses"] += tail is not None and not whole
@@ -262,17 +301,13 @@ class GatewayApp:
     async def completions(self, req: Request, send: Send) -> None:
         gw = self.gw
         s = self.session_of(req)
-        body = parse_body(CompletionRequest, await req.body(gw.max_body_bytes))
+        raw = await req.body(gw.max_body_bytes)
+        body = await off_loop(len(raw), parse_body, CompletionRequest, raw)
         model = self.check_model(body.model)
         gp = body.gen_params()
         prompt = body.one_prompt()
-        if isinstance(prompt, str):
-            ids = check_token_ids(gw.tok.encode(prompt), gw.tok.vocab_size, "prompt")
-        else:
-            ids = check_token_ids(prompt, gw.tok.vocab_size, "prompt")
-        call = await gw.pipeline.open(
-            s, "completions", lambda calls: build_token_input(calls, ids), gp=gp, param="prompt"
-        )
+        build = token_input(gw.tok, prompt, "prompt")
+        call = await gw.pipeline.open(s, "completions", build, gp=gp, param="prompt", size=len(raw))
         if gp.stream:
             return await pump(gw, call, CompletionStream(gw.tok, call, model), send, req.receive)
         a = await gw.pipeline.run(call)
@@ -285,15 +320,12 @@ class GatewayApp:
     async def generate(self, req: Request, send: Send) -> None:
         gw = self.gw
         s = self.session_of(req)
-        body = parse_body(GenerateRequest, await req.body(gw.max_body_bytes))
+        raw = await req.body(gw.max_body_bytes)
+        body = await off_loop(len(raw), parse_body, GenerateRequest, raw)
         gp = body.gen_params()
-        raw = body.input_ids
-        if raw is None and body.text:
-            raw = gw.tok.encode(body.text)
-        ids = check_token_ids(raw, gw.tok.vocab_size, "input_ids")
-        call = await gw.pipeline.open(
-            s, "generate", lambda calls: build_token_input(calls, ids), gp=gp, param="input_ids"
-        )
+        prompt = body.input_ids if body.input_ids is not None else body.text
+        build = token_input(gw.tok, prompt, "input_ids")
+        call = await gw.pipeline.open(s, "generate", build, gp=gp, param="input_ids", size=len(raw))
         view = NativeStream(gw.tok, call)
         if gp.stream:
             return await pump(gw, call, view, send, req.receive)
@@ -303,7 +335,8 @@ class GatewayApp:
     async def responses(self, req: Request, send: Send) -> None:
         gw = self.gw
         s = self.session_of(req)
-        body = parse_body(ResponsesRequest, await req.body(gw.max_body_bytes))
+        raw = await req.body(gw.max_body_bytes)
+        body = await off_loop(len(raw), parse_body, ResponsesRequest, raw)
         self.check_model(body.model)
         gp = body.gen_params()
         tools, tok = body.chat_tools, gw.tok
@@ -316,10 +349,11 @@ class GatewayApp:
         call = await gw.pipeline.open(
             s,
             "responses",
-            lambda calls: build_chat_input(tok, calls, messages, tools),
+            lambda calls, limit: build_chat_input(tok, calls, messages, tools, limit),
             gp=gp,
             param="input",
             parse_tools=body.parse_tools,
+            size=len(raw),
         )
         call.request_json = body.request_json()
         call.render = lambda a: response_body(call, body, a)  # recorded with the call

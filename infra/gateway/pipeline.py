@@ -83,6 +83,7 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 6  # engine attempts per call (withdrawal, aborts, dead cells)
 OFFLOAD_TOKENS = 65_536  # sessions at least this large build inputs off the event loop
+OFFLOAD_BYTES = 65_536  # and so do request bodies this large (a ~16K-token text or more)
 RID_PREFIX = {"chat": "chatcmpl", "completions": "cmpl", "generate": "gen", "responses": "resp"}
 _VERSION_DIGITS = re.compile(r"(-?\d+)\s*$")
 
@@ -163,28 +164,34 @@ class CallPipeline:
         self,
         s: Session,
         endpoint: str,
-        build: Callable[[SessionCalls], ChatInput],
+        build: Callable[[SessionCalls, int | None], ChatInput],
         *,
         gp: GenParams,
         param: str,
         parse_tools: bool = False,
+        size: int = 0,
     ) -> Call:
         """Token input and budget of a call, or `ApiError`; nothing is stored or consumed.
 
-        ``build(calls)`` runs under the session's state lock; on a worker thread once the
-        session is large (templating and hashing a ~1M-token context take tens of ms, which
-        would otherwise stall every other session on the event loop). ``param`` names the
-        request field that a rejected input blames."""
+        ``build(calls, limit)`` runs under the session's state lock; on a worker thread once
+        the session is large or the request is (``size``: its body's bytes): templating,
+        hashing and tokenizing a ~1M-token context take from tens of ms to seconds, which
+        would otherwise stall every other session, and ``/health``, on the event loop.
+        ``limit`` is the engines' context (None before one joined): what cannot fit it is
+        refused from its length before it is tokenized (`ContextTooLong`). ``param`` names
+        the request field that a rejected input blames."""
         calls = self.gw.session_calls(s)
+        limit = self.gw.max_context()
 
         def run() -> ChatInput:
             with s.state_lock:
-                return build(calls)
+                return build(calls, limit)
 
         try:
-            inp = await asyncio.to_thread(run) if s.tokens >= OFFLOAD_TOKENS else run()
+            big = s.tokens >= OFFLOAD_TOKENS or size >= OFFLOAD_BYTES
+            inp = await asyncio.to_thread(run) if big else run()
         except ChatInputError as exc:
-            raise bad(str(exc), exc.param or param) from exc
+            raise bad(str(exc), exc.param or param, exc.code) from exc
         if not self.gw.router.active():  # the budget needs an engine's limits: wait for one
             await self.gw.wait_for_engine(self.gw.engine_wait_s)
         max_new = self.budget(len(inp.input_ids), gp, param)

@@ -6,15 +6,20 @@ session-key journal live in a stable place per store and run id
 and starting it again on the same store replays every answered call into the store
 and keeps old session keys working. Each server leaves a record per port
 (``storage.paths.serve_records_dir()/<port>.json``, mode 0600, it holds the admin
-token); a live server's record is never overwritten, stale ones are cleaned up, and
-``gyre session new`` finds the one live server or asks which.
+token); a live server's record is never overwritten, and ``gyre session new`` finds the
+one live server or asks which. A record is removed only when its server is provably
+gone (its process is not alive, nothing listens on its port, or its run's lease says
+so): a server too busy to answer within a few seconds keeps its record and is reported
+as not answering.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import asdict, dataclass
@@ -25,6 +30,7 @@ import httpx
 from storage.paths import RunIdError, check_run_id, serve_records_dir, spool_dir
 
 DEFAULT_SERVE_RUN_ID = "serve"
+log = logging.getLogger(__name__)
 
 
 class ServeError(RuntimeError):
@@ -39,39 +45,97 @@ class ServeRecord:
     run_id: str
     pid: int
     port: int
+    host: str = ""  # where the server runs (records before this field: this host)
 
     @property
     def path(self) -> Path:
         return serve_records_dir() / f"{self.port}.json"
 
 
-def _alive(rec: ServeRecord) -> bool:
+HEALTH_TIMEOUT_S = 3.0  # a server that takes longer to answer /health is "not answering"
+_HOST = socket.gethostname()
+
+
+def _pid_gone(pid: int) -> bool:
     try:
-        os.kill(rec.pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: treat as alive
+        return True
+    except PermissionError:  # someone else's process: alive
         pass
+    return False
+
+
+def _lease_says_gone(rec: ServeRecord) -> bool | None:
+    """Whether the lease of the record's run says its server is gone (the lease is free:
+    released, expired, or its holder's process is gone; or another process holds it now);
+    None when the lease cannot be read (the store is not there or does not answer)."""
+    from storage.lease import holder
+    from storage.store import Store, StoreError
+
     try:
-        return httpx.get(f"{rec.url}/health", timeout=3).status_code == 200
+        got = holder(Store(rec.store, create=False, retry_s=5.0), rec.run_id)
+    except (StoreError, OSError, ValueError) as exc:
+        log.warning(
+            "serve record %s: cannot read the lease of run %s: %s", rec.path, rec.run_id, exc
+        )
+        return None
+    if got is None:
+        return True
+    return not (int(got.get("pid", -1)) == rec.pid and got.get("host") == (rec.host or _HOST))
+
+
+def _state(rec: ServeRecord, timeout: float) -> str:
+    """``live`` (answers /health), ``gone`` (provably: its process is not alive, nothing
+    listens on its port, or its run's lease says so) or ``silent`` (alive by the lease, or
+    not known to be gone, but not answering within ``timeout``: busy, or stuck). A record
+    is removed only when gone: a server busy for a while keeps its record, and ``gyre
+    session new`` says it does not answer."""
+    if rec.host not in ("", _HOST):
+        return "elsewhere"  # its pid and port mean nothing here
+    if _pid_gone(rec.pid):
+        return "gone"
+    try:
+        if httpx.get(f"{rec.url}/health", timeout=timeout).status_code == 200:
+            return "live"
+    except httpx.ConnectError:  # refused: nothing listens on its port (a live server does,
+        return "gone"  # even when its event loop is busy: the kernel accepts for it)
     except httpx.HTTPError:
-        return False
+        pass
+    return "gone" if _lease_says_gone(rec) else "silent"
 
 
-def live_records() -> list[ServeRecord]:
-    """Records of servers that answer; records of dead ones are removed."""
-    out = []
+def scan_records(timeout: float = HEALTH_TIMEOUT_S) -> tuple[list[ServeRecord], list[ServeRecord]]:
+    """(servers that answer, servers alive but not answering); records of gone ones (and
+    unreadable records) are removed."""
+    live, silent = [], []
     for f in sorted(serve_records_dir().glob("*.json")):
         try:
             rec = ServeRecord(**json.loads(f.read_text()))
         except (OSError, ValueError, TypeError):
             f.unlink(missing_ok=True)
             continue
-        if _alive(rec):
-            out.append(rec)
-        else:
+        state = _state(rec, timeout)
+        if state == "live":
+            live.append(rec)
+        elif state == "silent":
+            silent.append(rec)
+        elif state == "gone":
             f.unlink(missing_ok=True)
-    return out
+    return live, silent
+
+
+def live_records() -> list[ServeRecord]:
+    """Records of servers that answer; records of gone ones are removed."""
+    return scan_records()[0]
+
+
+def _silent(rec: ServeRecord) -> str:
+    return (
+        f"the gyre serve at {rec.url} (pid {rec.pid}, store {rec.store}) is running but did "
+        f"not answer /health within {HEALTH_TIMEOUT_S:.0f} s (busy, or stuck); its record "
+        f"{rec.path} is kept"
+    )
 
 
 def _write_record(rec: ServeRecord) -> None:
@@ -99,12 +163,16 @@ def _preflight(model: str | None, port: int) -> None:
     before torch and the engine are imported (which took up to a minute under load)."""
     from flows.preflight import check_model_dir, check_port
 
-    for rec in live_records():
+    live, silent = scan_records()
+    for rec in live:
         if rec.port == port:
             raise ServeError(
                 f"a gyre serve already answers at {rec.url} (pid {rec.pid}, store {rec.store}); "
                 "stop it or pick another --port"
             )
+    for rec in silent:
+        if rec.port == port:
+            raise ServeError(f"{_silent(rec)}; stop it (kill {rec.pid}) or pick another --port")
     problems = []
     if model is not None and (why := check_model_dir(model)) is not None:
         problems.append(
@@ -204,7 +272,7 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
         engine_url = server.start()
         url = gw.start()
         gw.add_engine("serve", engine_url)
-        rec = ServeRecord(url, token, store.url, run_id, os.getpid(), port)
+        rec = ServeRecord(url, token, store.url, run_id, os.getpid(), port, _HOST)
         _write_record(rec)
         print(f"gyre serve: model {model_dir}")
         print(f"  base URL     {url}/v1   (OpenAI-compatible; native /generate at {url}/generate)")
@@ -234,7 +302,15 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
 def new_session(url: str | None, admin_token: str | None, port: int | None) -> dict:
     """Mint a session on a running server: the one given, or the only live one."""
     if url is None or admin_token is None:
-        recs = [r for r in live_records() if port is None or r.port == port]
+        live, silent = scan_records()
+        recs = [r for r in live if port is None or r.port == port]
+        quiet = [r for r in silent if port is None or r.port == port]
+        if not recs and quiet:
+            raise ServeError(
+                "; ".join(_silent(r) for r in quiet)
+                + ": try again in a while, or pass --url and --admin-token (its record holds "
+                "the token)"
+            )
         if not recs:
             raise ServeError(
                 "no running `gyre serve` found"

@@ -83,8 +83,12 @@ def branch_rows(store: Store, run_id: str, *, advantage: str = "grpo") -> list[d
         for s in store.read("scores").to_pylist()
         if s["run_id"] == run_id
     ]
-    rollouts = [r for r in store.read("rollouts").to_pylist() if r["run_id"] == run_id]
-    rollouts += _served(run_id, records, scores, {r["session_id"] for r in rollouts})
+    stored = [r for r in store.read("rollouts").to_pylist() if r["run_id"] == run_id]
+    # lost and unfinished sessions have no reward (never trained on): no branches
+    rollouts = [r for r in stored if r["reward"] is not None]
+    # held-out evaluations' sessions (in `evals`) are no training data either
+    held = [r["session_id"] for r in store.read("evals").to_pylist() if r["run_id"] == run_id]
+    rollouts += _served(run_id, records, scores, {r["session_id"] for r in stored} | set(held))
     if not rollouts:
         raise ExportError(f"no rollouts of run {run_id!r} in {store.url}; check the run id")
     parents = {r["session_id"]: r["parent_session_id"] for r in rollouts if r["parent_session_id"]}

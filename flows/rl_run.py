@@ -35,6 +35,7 @@ from flows.procs import forget, record_children
 from flows.progress import artifact_key, config_markdown, plain, rounded, summary_markdown
 from flows.resume import new_run_id, resume_config, resume_point, save_config
 from flows.schedule import schedule
+from flows.unfinished import mark_unfinished
 from flows.warmstart import for_run as warm_start_for
 from infra.cells.cluster import default_worker_env, quiet_completed_tasks, start_cells
 from infra.cells.reach import check_store
@@ -293,6 +294,7 @@ def _run(
         finally:
             live.drop(run_id)
             gateway.stop()
+            _mark_unfinished(st, run_id, spool, logger)  # the sessions it leaves in flight
         # training is done: the cells are torn down while the summary is written (it needs
         # the store, not the cells); the end of the block waits for the teardown, which
         # may be slow under load but never fails the run (infra/cells/cluster.py)
@@ -329,6 +331,17 @@ def _made_meanwhile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterat
         if not taken:
             made.add_done_callback(lambda f: f.exception() is None and f.result().close())
         raise
+
+
+def _mark_unfinished(st: Store, run_id: str, spool, logger) -> None:
+    """Sessions of the run's journal without a ``rollouts`` row (in flight at the end, or
+    left by a killed attempt of this run) get one of status ``unfinished``
+    (flows/unfinished.py); the run's outcome stands whatever happens here."""
+    try:
+        if n := mark_unfinished(st, run_id, spool / "sessions.jsonl"):
+            logger.info("%d session(s) in flight at the end: rollouts status 'unfinished'", n)
+    except Exception as exc:  # the run that continues this one marks them
+        logger.warning("could not mark the sessions left in flight: %s", exc)
 
 
 def _summary(loop: dict, st: Store, run_id: str, mode: str, seconds: float) -> dict[str, Any]:

@@ -78,7 +78,10 @@ ROLLOUTS_SCHEMA = pa.schema(
         ("group_id", pa.string()),
         ("step", pa.int32()),  # training step the rollout was collected for
         ("task_id", pa.string()),
-        ("status", pa.string()),  # finished | failed | timeout | lost (its task died with its cell)
+        # finished | failed | timeout | lost (its task died with its cell) | unfinished (in
+        # flight when the run ended or was killed: flows/unfinished.py); the last two have
+        # no reward and are never trained on
+        ("status", pa.string()),
         ("reward", pa.float64()),  # declared aggregation of sub-task scores
         ("n_calls", pa.int32()),
         ("n_tokens_unique", pa.int64()),

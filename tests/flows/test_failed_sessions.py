@@ -78,6 +78,8 @@ def test_a_run_whose_agent_asks_for_a_wrong_model_fails_naming_the_reason(tmp_pa
         Store(str(store)),
         "SELECT status, reason FROM rollouts WHERE run_id = 'broken'",
     ).to_pylist()
+    # a group started after the first one's failures stopped the run: in flight, unfinished
+    rows = [r for r in rows if r["status"] != "unfinished"]
     assert rows and all(r["status"] == "failed" for r in rows), rows
     assert all("gpt-no-such-model" in r["reason"] for r in rows)
     steps = query(Store(str(store)), "SELECT count(*) AS n FROM steps").to_pylist()

@@ -73,6 +73,42 @@ def next_step(store: Store, run_id: str) -> int:
     return max(steps) + 1 if steps else 0
 
 
+_NOTHING_TO_LEARN = (
+    "the {n} sessions have equal rewards within each group: no advantage to learn from "
+    "(GRPO); score sessions that differ (or post another sub-task's score for these), then "
+    "run again"
+)
+
+
+def _learnable(store: Store, run_id: str, sessions: list[SessionHandle], cfg: RunConfig) -> bool:
+    """Whether some group of ``sessions`` has an advantage to learn from: their rewards (the
+    aggregation of their scores, as processing computes them) differ within it. Asked
+    before processing writes ``rollouts``, so that a pass with nothing to learn uses none
+    of the sessions up (they stay pending until their scores differ)."""
+    from tasks.trajectory.sampler import zero_variance_groups
+    from tasks.trajectory.scoring import Score, score_rollout
+
+    t = cfg.train
+    sids = {s.session_id for s in sessions}
+    scores = [
+        Score(**{k: r[k] for k in Score.__dataclass_fields__})
+        for r in store.read("scores").to_pylist()
+        if r["run_id"] == run_id and r["session_id"] in sids
+    ]
+    rewards = {
+        s.session_id: score_rollout(
+            run_id, s.session_id, scores, declared=s.subtasks or None, status=s.status,
+            reason=s.reason, aggregation=t.reward_aggregation,
+        ).reward
+        for s in sessions
+    }  # fmt: skip
+    groups = {s.session_id: s.group_id for s in sessions}
+    flat = zero_variance_groups(
+        rewards, groups, advantage=t.advantage, scores=scores, normalize_std=t.normalize_std
+    )
+    return len(set(flat)) < len(set(groups.values()))
+
+
 def train_served(store: Store, run_id: str, cfg: RunConfig, say=print) -> dict[str, Any]:
     """One optimizer step on the scored sessions of ``run_id`` not trained on yet (see the
     module doc); the step's figures."""
@@ -95,6 +131,8 @@ def train_served(store: Store, run_id: str, cfg: RunConfig, say=print) -> dict[s
             )
         step = next_step(store, run_id)
         t = cfg.train
+        if not _learnable(store, run_id, sessions, cfg):  # before anything is written
+            raise ServedError(_NOTHING_TO_LEARN.format(n=len(sessions)))
         done = process_sessions(
             store, run_id, step, sessions, current_version=version,
             reward_aggregation=t.reward_aggregation, advantage=t.advantage,
@@ -105,10 +143,7 @@ def train_served(store: Store, run_id: str, cfg: RunConfig, say=print) -> dict[s
             f"{done.reward_mean:.3f}: {done.n_samples} samples"
         )
         if not done.n_samples:
-            raise ServedError(
-                f"the {len(sessions)} sessions have equal rewards within each group: no "
-                "advantage to learn from (GRPO); score sessions that differ, then run again"
-            )
+            raise ServedError(_NOTHING_TO_LEARN.format(n=len(sessions)))
         trained = train_on_samples(store, run_id, step, done.samples_segment, t, cell_id="local")
     return {
         "run_id": run_id,

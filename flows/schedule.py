@@ -14,6 +14,7 @@ utilisation table as files and Prefect artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -166,19 +167,29 @@ class PrefectWork:
             )
         return _Job(fut)
 
-    def process(self, index: int, sessions, version: int) -> _Job:
+    def process(self, index: int, sessions, version: int, workers: tuple[str, ...] = ()) -> _Job:
+        """Processing of group ``index`` on one of ``workers`` (the executor's steady rollout
+        cells, ``Executor.process_addrs``); loose: where none of them is up, Dask runs it on
+        any cell rather than wait (``allow_other_workers`` counts only workers that are gone,
+        not busy ones)."""
         group = index + self.first_group
         step = group // self.cfg.rollout.groups_per_step
-        fut = process_group.submit(
-            self.store,
-            self.run_id,
-            group,
-            step,
-            sessions,
-            version,
-            self.cfg.train,
-            self.since.pop(index, None),
+        where = (
+            dask.annotate(workers=list(workers), allow_other_workers=True)
+            if workers
+            else contextlib.nullcontext()
         )
+        with where:
+            fut = process_group.submit(
+                self.store,
+                self.run_id,
+                group,
+                step,
+                sessions,
+                version,
+                self.cfg.train,
+                self.since.pop(index, None),
+            )
         self.failures.add(sessions)
         if self.failures.error is not None:  # the run stops at this tick (the loop checks)
             try:  # this group's rollouts rows, with every session's reason, reach the store

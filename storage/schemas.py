@@ -166,6 +166,14 @@ CELLS_SCHEMA = pa.schema(
         ("t", pa.float64()),
         ("detail", pa.string()),
         ("reason", pa.string()),  # why the scheduler decided it (its inputs, with numbers)
+        # what the action cost, measured by the executor (null where it has no such part):
+        # a `role`/`load_weights` row from its decision, a `step_done` row from the step's start
+        ("seconds", pa.float64()),  # the whole action, to this row
+        ("wait_s", pa.float64()),  # decision to the action's start (pin, cell lock, pool)
+        ("drain_s", pa.float64()),  # the gateway's withdrawal (calls to their boundary, KV)
+        ("park_s", pa.float64()),  # the engine parked (KV freed)
+        ("start_s", pa.float64()),  # the engine started (a cell that had none)
+        ("load_s", pa.float64()),  # weights loaded into the engine (fetch and swap)
     ]
 )
 

@@ -47,11 +47,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from infra.cells.cells_log import CellsLog
 from infra.cells.cluster import Cells
 from infra.cells.engines import engine_stats, load_weights, park_engine, start_engine
 from infra.cells.healing import ExecutorError, Healing
 from infra.cells.membership import Membership
-from storage.store import Store, StoreError
+from storage.store import Store
 from tasks.sched.coordinator import (
     Decision,
     Event,
@@ -86,7 +87,9 @@ class Work(Protocol):
 
     def rollout(self, index: int, cell_id: str) -> Job: ...
 
-    def process(self, index: int, sessions: Any, version: int) -> Job: ...
+    def process(
+        self, index: int, sessions: Any, version: int, workers: tuple[str, ...] = ()
+    ) -> Job: ...  # on one of ``workers`` while any is up (none named: anywhere)
 
     def step(self, plan: StepPlan) -> list[Job]: ...  # one job per member, on plan.workers
 
@@ -234,6 +237,13 @@ class Executor(Healing):
         self._pool = ThreadPoolExecutor(  # an action waiting for its cell to heal holds one
             max_workers=4 + 2 * len(self.addrs), thread_name_prefix="gyre-exec"
         )
+        # the parts of one action that run beside it (``together``): a pool of their own, so
+        # an action never waits for a thread that another action waiting on its parts holds
+        self._side = ThreadPoolExecutor(
+            max_workers=2 + 2 * len(self.addrs), thread_name_prefix="gyre-exec-part"
+        )
+        self._moves = [0] * len(self.addrs)  # role changes decided per cell (processing)
+        self.log = CellsLog(store, on_error=lambda exc: self._q.put(("error", "cells row", exc)))
         self._lock = threading.Lock()
         self._pins: dict[int, threading.Event] = {}  # cells held for an evaluation
         self._acting: set[int] = set()  # cells with a role change or weight load running
@@ -244,8 +254,18 @@ class Executor(Healing):
     def cell_id(self, i: int) -> str:
         return self.cells.cell_id(self.addrs[i])
 
-    def record(self, i: int, event: str, role: str, reason: str = "", detail: str = "") -> None:
-        """One row of the ``cells`` dataset (and of the run's role timeline)."""
+    def record(
+        self,
+        i: int,
+        event: str,
+        role: str,
+        reason: str = "",
+        detail: str = "",
+        costs: dict[str, float] | None = None,
+    ) -> None:
+        """One row of the ``cells`` dataset (and of the run's role timeline), written by the
+        cells log (in order, off this thread); ``costs``: the action's measured seconds
+        (``seconds``, ``wait_s``, ``drain_s``, ``park_s``, ``load_s``; storage/schemas.py)."""
         now = time.time()
         row = {
             "run_id": self.run_id,
@@ -256,10 +276,11 @@ class Executor(Healing):
             "t": now,
             "detail": detail,
             "reason": reason,
+            **{k: round(v, 4) for k, v in (costs or {}).items()},
         }
         with self._lock:
             self.timeline.append({"cell": i, "event": event, "role": role, "t": now - self.t0})
-        self.store.append("cells", [row])
+        self.log.append(row)
 
     def run_version(self, v: int) -> int:
         """The run's (the store's) version of the coordinator's version ``v``."""
@@ -297,12 +318,13 @@ class Executor(Healing):
         """Record every cell leaving; the pool stops (pending actions are bounded waits)."""
         self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
-            try:
-                self.record(i, "leave", role, "run ended")
-            except StoreError as exc:  # the store is gone: the run's own error says so
-                log.warning("cell %d's leave is not recorded: %s", i, exc)
-                break
+            self.record(i, "leave", role, "run ended")
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._side.shutdown(wait=True, cancel_futures=True)
+        # every row is in the store when the run reads it back; a store that is gone only
+        # costs the rows (the run's own error says why), as the log's warning says
+        if not self.log.close(timeout=60.0):
+            log.warning("the cells log did not finish writing within 60 s")
         self._dp_store = None
 
     # -- the door -------------------------------------------------------------------------
@@ -316,8 +338,8 @@ class Executor(Healing):
         elif isinstance(d, LoadWeights):
             v = self.run_version(d.version)
             self.record(d.cell, "decide", "rollout", reason, f"load v{v}")
-            self._load_t[d.cell] = time.time()
-            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v)
+            self._load_t[d.cell] = t = time.time()
+            self._pool.submit(self._guard, ("loaded", d.cell), self._load, d.cell, v, True, t)
         elif isinstance(d, StartStep):
             self._start_step(d, reason)
         else:  # pragma: no cover - the Decision union is closed
@@ -355,6 +377,26 @@ class Executor(Healing):
             if g.phase in ("rollout", "process", "held") and (cell is None or g.cell == cell)
         )
 
+    def process_addrs(self) -> tuple[str, ...]:
+        """Where a finished group's processing goes: the rollout cells with no role change
+        and no weight load decided or under way, of those the ones moved least often so far
+        (elastic's core, async's rollout side, every cell of colocate between its steps);
+        none (anywhere) when every cell is changing. A drain, a park, a weight load are
+        ``Client.run`` calls, not tasks, so Dask sees a cell busy with them as free, and a
+        train cell as one task on its threads: unplaced, processing could wait behind any
+        of them, or run beside a step."""
+        with self._lock:
+            busy = set(self._acting) | set(self._load_t)
+        steady = [
+            i
+            for i, role in enumerate(self.roles)
+            if role == "rollout" and i not in busy and not self.membership.is_lost(i)
+        ]
+        if not steady:
+            return ()
+        least = min(self._moves[i] for i in steady)
+        return tuple(self.addrs[i] for i in steady if self._moves[i] == least)
+
     def _handle(self, item: tuple) -> list[Event]:
         kind = item[0]
         if kind == "rollout":
@@ -367,7 +409,9 @@ class Executor(Healing):
             self._mark_lost_sessions(g.sessions)
             g.phase = "process"
             g.deadline = time.monotonic() + self.job_timeout_s
-            g.job = self.work.process(g.index, g.sessions, self.version)
+            g.job = self.work.process(
+                g.index, g.sessions, self.version, workers=self.process_addrs()
+            )
             g.job.add_done_callback(lambda idx=g.index: self._q.put(("processed", idx)))
             return []
         if kind == "processed":
@@ -471,6 +515,7 @@ class Executor(Healing):
         i = d.cell
         t = time.time()
         self.stats.switches += 1
+        self._moves[i] += 1
         # mirror the coordinator's books: the cell's groups now belong to the reroute targets
         # and the gateway moves each group's sessions to that cell (not the least-loaded one)
         targets = [c for c, n in d.reroute for _ in range(n)]
@@ -487,51 +532,91 @@ class Executor(Healing):
         self._pool.submit(self._guard, ("move", i), fn, i, t, reason)
 
     def _to_train(self, i: int, t_decided: float, reason: str) -> None:
+        """Rollout -> train. The gateway's withdrawal does not wait for the cell's Dask
+        role (no rollout task takes the resource ``draining`` removes; harness slots stay),
+        and the ``train`` role does not wait for the engine to park: no training work is
+        submitted to the cell before its ``MoveDone``, which comes after both."""
         addr = self.addrs[i]
-        self.cells.set_role(addr, "draining")
-        log.info(
-            "cell %s draining (%.2fs after the decision)", self.cell_id(i), time.time() - t_decided
+        costs = {"wait_s": time.time() - t_decided}
+        log.info("cell %s draining (%.2fs after the decision)", self.cell_id(i), costs["wait_s"])
+        out = together(
+            self._side,
+            lambda: self._withdraw(i, costs),
+            lambda: self.cells.set_role(addr, "draining"),
         )
-        out: dict[str, Any] = {}
-        if i in self.routed:
-            # the boundary: in-flight calls finish (bounded), then each session moves with its KV
-            out = self.gateway.remove_engine(
-                self.cell_id(i),
-                drain_timeout=self.drain_timeout_s,
-                targets=self._reroute.pop(i, {}),
-            )
-            self.routed.discard(i)
-            self.stats.sessions_rerouted += int(out.get("sessions_moved", 0))
-            self.stats.kv_moved += int(out.get("kv_moves", 0))
-            self.stats.kv_tokens += int(out.get("kv_tokens", 0))
-            self.stats.reprefills += int(out.get("reprefills", 0))
-            self.stats.aborted_inflight += int(out.get("aborted_inflight", 0))
         log.info("cell %s withdrawn: %s", self.cell_id(i), out)
         t_drained = time.monotonic()
-        if i in self.engine_url:
-            self.cells.run_on(addr, park_engine)
+        together(
+            self._side, lambda: self._park(i, costs), lambda: self.cells.set_role(addr, "train")
+        )
         _pace(t_drained, self.switch_s)
-        self.cells.set_role(addr, "train")
         detail = ", ".join(f"{k}={v}" for k, v in out.items() if k != "cell_id")
-        self.record(i, "role", "train", reason, detail)
+        costs["seconds"] = time.time() - t_decided
+        self.record(i, "role", "train", reason, detail, costs)
         self._q.put(("moved", i, "train", t_decided))
 
-    def _to_rollout(self, i: int, t_decided: float, reason: str) -> None:
-        addr = self.addrs[i]
+    def _withdraw(self, i: int, costs: dict[str, float]) -> dict[str, Any]:
+        """The gateway stops routing to cell ``i``: in-flight calls finish (bounded), then
+        each session moves, with its KV, to its group's reroute target."""
+        if i not in self.routed:
+            return {}
         t0 = time.monotonic()
-        self.cells.set_role(addr, "loading")
-        self.cells.run_on(addr, _leave_dp)
+        out = self.gateway.remove_engine(
+            self.cell_id(i), drain_timeout=self.drain_timeout_s, targets=self._reroute.pop(i, {})
+        )
+        costs["drain_s"] = time.monotonic() - t0
+        self.routed.discard(i)
+        self.stats.sessions_rerouted += int(out.get("sessions_moved", 0))
+        self.stats.kv_moved += int(out.get("kv_moves", 0))
+        self.stats.kv_tokens += int(out.get("kv_tokens", 0))
+        self.stats.reprefills += int(out.get("reprefills", 0))
+        self.stats.aborted_inflight += int(out.get("aborted_inflight", 0))
+        return out
+
+    def _park(self, i: int, costs: dict[str, float]) -> None:
+        if i in self.engine_url:
+            t0 = time.monotonic()
+            self.cells.run_on(self.addrs[i], park_engine)
+            costs["park_s"] = time.monotonic() - t0
+
+    def _to_rollout(self, i: int, t_decided: float, reason: str) -> None:
+        """Train -> rollout (between steps). The engine's start and weight load, the cell's
+        leaving its DP group and its ``loading`` role do not wait for each other (no train
+        task is submitted to a cell on its way out; the engine is the cell's own); the
+        gateway routes to it once its weights are loaded, beside its ``rollout`` role."""
+        addr = self.addrs[i]
+        costs = {"wait_s": time.time() - t_decided}
+        t0 = time.monotonic()
         self.dp_left = True
-        self._serve(i, pace_until=t0 + self.switch_s + self.weight_load_s)
-        self.cells.set_role(addr, "rollout")
-        self.record(i, "role", "rollout", reason, f"serving v{self.engine_version[i]}")
+        together(
+            self._side,
+            lambda: self._ready(i, costs),
+            lambda: self.cells.set_role(addr, "loading"),
+            lambda: self.cells.run_on(addr, _leave_dp),
+        )
+        _pace(t0 + self.switch_s + self.weight_load_s, 0.0)
+        together(self._side, lambda: self._route(i), lambda: self.cells.set_role(addr, "rollout"))
+        costs["seconds"] = time.time() - t_decided
+        self.record(i, "role", "rollout", reason, f"serving v{self.engine_version[i]}", costs)
         self._q.put(("moved", i, "rollout", t_decided))
 
     def _serve(self, i: int, pace_until: float = 0.0) -> None:
         """Start (or unpark) the cell's engine with the newest weights, then route to it
         (not before ``pace_until``, monotonic: a paced role change)."""
+        self._ready(i, {})
+        _pace(pace_until, 0.0)
+        self._route(i)
+
+    def _route(self, i: int) -> None:
+        self.gateway.add_engine(self.cell_id(i), self.engine_url[i])
+        self.routed.add(i)
+
+    def _ready(self, i: int, costs: dict[str, float]) -> None:
+        """The cell's engine started (once; a parked one is kept) and serving the newest
+        weights; ``costs`` gets ``start_s`` and ``load_s`` (seconds)."""
         addr, e = self.addrs[i], self.engine
         if i not in self.engine_url:
+            t0 = time.monotonic()
             self.engine_url[i] = self.cells.run_on(
                 addr,
                 start_engine,
@@ -546,23 +631,35 @@ class Executor(Healing):
                 store=self.store,  # model_dir is on the run's host; other hosts fetch v0
                 run_id=self.run_id,
             )
+            costs["start_s"] = time.monotonic() - t0
             self.engine_version[i] = -1  # a parked engine may hold another run's weights
         for _ in range(3):  # a step may publish while we load: the cell joins with the newest
             v = self.version
             if self.engine_version.get(i) == v:
                 break
-            self._load(i, v, report=False)
-        _pace(pace_until, 0.0)
-        self.gateway.add_engine(self.cell_id(i), self.engine_url[i])
-        self.routed.add(i)
+            self._load(i, v, report=False, costs=costs)
 
-    def _load(self, i: int, version: int, report: bool = True) -> None:
+    def _load(
+        self,
+        i: int,
+        version: int,
+        report: bool = True,
+        t_decided: float | None = None,
+        costs: dict[str, float] | None = None,
+    ) -> None:
+        """Cell ``i``'s engine loads checkpoint ``version``; ``report``: a decided load
+        (``LoadWeights`` at ``t_decided``): recorded with its costs and answered with
+        ``WeightsLoaded``. ``costs['load_s']`` adds the load's own seconds."""
+        costs = {} if costs is None else costs
+        if t_decided is not None:
+            costs["wait_s"] = time.time() - t_decided  # the pin, the cell's lock, the pool
         if report and self.engine_version.get(i, -1) >= version:
             # a healed cell already serves these weights (or newer): never go back
             self._q.put(("loaded", i, self.engine_version[i]))
             return
         t0 = time.monotonic()
         res = self.cells.run_on(self.addrs[i], load_weights, self.store, self.run_id, version)
+        costs["load_s"] = costs.get("load_s", 0.0) + time.monotonic() - t0
         if report:
             _pace(t0, self.weight_load_s)
         if not res.get("success", False):
@@ -570,7 +667,9 @@ class Executor(Healing):
         self.engine_version[i] = version
         self.stats.weight_loads += 1
         if report:
-            self.record(i, "load_weights", "rollout", "", f"v{version}")
+            if t_decided is not None:
+                costs["seconds"] = time.time() - t_decided
+            self.record(i, "load_weights", "rollout", "", f"v{version}", costs)
             self._q.put(("loaded", i, version))
 
     # -- training -----------------------------------------------------------------------
@@ -655,10 +754,12 @@ class Executor(Healing):
         if versions != {plan.version + 1}:
             raise ExecutorError(f"step {plan.step}: members ended at versions {versions}")
         self.version = plan.version + 1
+        secs = time.time() - self.step_t0  # its start to its last member's end, retries too
         for i in self.step_cells:
-            self.record(i, "step_done", "train", "", f"step {plan.step} -> v{self.version}")
+            detail = f"step {plan.step} -> v{self.version}"
+            self.record(i, "step_done", "train", "", detail, {"seconds": secs})
         self.stats.steps += 1
-        self.stats.step_s.append(time.time() - self.step_t0)
+        self.stats.step_s.append(secs)
         self.stats.step_pace_s.append(plan.pace_s)
         self.last_step = results[0]
         return [StepFinished(self.step_cells, seconds=self.stats.step_s[-1])]
@@ -672,6 +773,21 @@ class Executor(Healing):
             except Exception as exc:  # best effort, for the report
                 out[self.cell_id(i)] = {"error": str(exc)}
         return out
+
+
+def together(pool: ThreadPoolExecutor, main: Callable[[], Any], *side: Callable[[], Any]) -> Any:
+    """Run ``side`` on ``pool`` while ``main`` runs on this thread; return ``main``'s result
+    once every part has ended (the first error of any is raised, after all have ended): the
+    parts of one role change that do not wait for each other."""
+    futs = [pool.submit(f) for f in side]
+    try:
+        out = main()
+    finally:
+        for f in futs:  # no part outlives its action, whatever happened
+            f.exception()
+    for f in futs:
+        f.result()
+    return out
 
 
 def _pace(started: float, seconds: float) -> None:

@@ -93,7 +93,7 @@ class _Unrunnable:
     def rollout(self, index, cell_id):
         return _DaskJob(self.client.submit(lambda: [], resources={"absent": 1}, pure=False))
 
-    def process(self, index, sessions, version):  # pragma: no cover - never reached
+    def process(self, index, sessions, version, workers=()):  # pragma: no cover - never reached
         raise AssertionError("the rollout never ran")
 
     def step(self, plan):  # pragma: no cover - no step here

@@ -52,7 +52,7 @@ class Work:
         args = (self.gw.url, self.gw.admin_token, self.store, self.run_id, spec, RCFG)
         return FutureJob(self.pool.submit(roll_out_group, *args))
 
-    def process(self, index, sessions, version) -> FutureJob:
+    def process(self, index, sessions, version, workers=()) -> FutureJob:
         return FutureJob(
             self.pool.submit(
                 process_sessions,

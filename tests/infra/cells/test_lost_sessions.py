@@ -54,7 +54,7 @@ class RerunWork:
     def rollout(self, index: int, cell_id: str) -> FutureJob:
         return FutureJob(self.pool.submit(self._twice, GroupSpec(index, f"g{index}", 7, 1)))
 
-    def process(self, index, sessions, version) -> FutureJob:
+    def process(self, index, sessions, version, workers=()) -> FutureJob:
         args = (self.store, self.run_id, index, sessions)
         return FutureJob(self.pool.submit(process_sessions, *args, current_version=version))
 

@@ -64,7 +64,7 @@ class ThreadWork:
             )
         )
 
-    def process(self, index, sessions, version) -> FutureJob:
+    def process(self, index, sessions, version, workers=()) -> FutureJob:
         f: cf.Future = cf.Future()
         f.set_result(_Processed())
         return FutureJob(f)

@@ -234,6 +234,13 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
         f"SELECT count(*) AS n FROM (SELECT sample_id FROM ledger WHERE run_id = '{rid}' "
         f"GROUP BY 1 HAVING count(*) > 1)",
     ).to_pylist()[0]["n"]
+    moves = move_costs(
+        query(
+            st_obj,
+            f"SELECT event, role, seconds, wait_s, drain_s, park_s, start_s, load_s FROM cells "
+            f"WHERE run_id = '{rid}' AND event IN ('role', 'load_weights', 'step_done')",
+        ).to_pylist()
+    )
     stats = out["stats"]
     sc, r = cfg.scheduler, cfg.rollout
     n = cfg.cluster.rollout_cells + cfg.cluster.train_cells
@@ -292,6 +299,7 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
         "failed_calls": int(gstats["gateway/errors"]) + int(failed),
         "ledger_duplicates": int(dup),
         "measured_costs": costs,
+        "move_costs": moves,
         "overheads": {
             "slot_s_mean": statistics.fmean(slot_over) if slot_over else 0.0,
             "process_s_mean": statistics.fmean(proc) if proc else 0.0,
@@ -302,6 +310,23 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
             "loadavg_1m": os.getloadavg()[0],
         },
     }
+
+
+def move_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median and max seconds of each part of the executor's actions, from the ``cells``
+    rows (storage/schemas.py): moves to train and to rollout, decided weight loads, steps."""
+    kind = {("role", "train"): "to_train", ("role", "rollout"): "to_rollout"}
+    out: dict[str, dict[str, float]] = {}
+    parts = ("seconds", "wait_s", "drain_s", "park_s", "start_s", "load_s")
+    for name in ("to_train", "to_rollout", "load_weights", "step_done"):
+        mine = [x for x in rows if kind.get((x["event"], x["role"]), x["event"]) == name]
+        for p in parts:
+            xs = sorted(x[p] for x in mine if x.get(p) is not None)
+            if xs:
+                out.setdefault(name, {"n": len(mine)})
+                out[name][f"{p}_median"] = xs[len(xs) // 2]
+                out[name][f"{p}_max"] = xs[-1]
+    return out
 
 
 def wasted_switches(timeline: list[dict[str, Any]]) -> int:
@@ -440,6 +465,7 @@ def figures(b: dict[str, Any], st: Setup) -> dict[str, Any]:
         "live_over_sim_max": max(ratios),
         "live_over_sim_paced_min": min(paced),
         "live_over_sim_paced_max": max(paced),
+        "live_over_sim_elastic": e["live_over_sim"],
         "live_elastic_over_async_advance": e["groups_per_s"] / a["groups_per_s"],
         "live_elastic_over_async_best": e["groups_per_s"] / res[best]["groups_per_s"],
         "live_elastic_over_colocate": e["groups_per_s"] / c["groups_per_s"],
@@ -456,6 +482,9 @@ def figures(b: dict[str, Any], st: Setup) -> dict[str, Any]:
         "async_split_best": best,
         "async_split_best_sim": b["k_best_sim"],
         "switches": e["switches"],
+        "wasted_switches": e["wasted_switches"],
+        "wasted_over_switches": e["wasted_switches"] / max(1, e["switches"]),
+        "elastic_move_costs": e["move_costs"],
         "sessions_rerouted": e["sessions_rerouted"],
         "kv_moved": e["kv_moved"],
         "failed_calls": sum(v["failed_calls"] for v in res.values()),
@@ -512,6 +541,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 KEYS = (
+    "live_over_sim_elastic",
     "live_over_sim_min",
     "live_over_sim_max",
     "live_over_sim_paced_min",
@@ -525,6 +555,8 @@ KEYS = (
     "lag_elastic",
     "lag_async",
     "switches",
+    "wasted_switches",
+    "wasted_over_switches",
     "failed_calls",
     "bench_cpu_cores",
     "cells_cpu_cores",

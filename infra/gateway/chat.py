@@ -441,6 +441,11 @@ def parse_output(text: str) -> tuple[str | None, list[dict]]:
             if not isinstance(one, dict) or not isinstance(one.get("name"), str):
                 return text, []
             args = one.get("arguments", {})
+            if isinstance(args, str) and args:
+                try:  # a text that is not JSON: no call a harness (or the gateway) could take
+                    json.loads(args)
+                except ValueError:
+                    return text, []
             calls.append(
                 {
                     "id": f"call_{uuid.uuid4().hex[:24]}",

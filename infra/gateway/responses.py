@@ -32,6 +32,7 @@ from infra.gateway.wire import (
     bad,
     dumps,
     loads,
+    refuse_one_tool_call,
     refuse_unsupported,
 )
 
@@ -61,8 +62,10 @@ class ResponsesRequest(Body):
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def gen_params(self) -> GenParams:
+        refuse_one_tool_call(self.parallel_tool_calls)
         fmt = (self.text or {}).get("format")
         refuse_unsupported(
             self.tool_choice, [("text.format", fmt)], [("reasoning", self.reasoning)]

@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 MAX_STOPS = 16
@@ -147,24 +156,125 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
+def _invalid(model: str, loc: tuple, kind: str, message: str, value: Any) -> ValidationError:
+    """A validation error at ``loc`` inside the object being validated (pydantic prefixes
+    the outer location: ``messages[3].tool_call_id``)."""
+    err = PydanticCustomError(kind, message)
+    return ValidationError.from_exception_data(
+        model, [InitErrorDetails(type=err, loc=loc, input=value)]
+    )
+
+
 class ToolCallFunction(_Open):
     name: str
     arguments: Any = None
+
+    @model_validator(mode="after")
+    def _json_arguments(self) -> ToolCallFunction:
+        """Arguments are a JSON text (OpenAI's shape), an object, empty or left out: text that
+        is not JSON would be trained on as a call the model never could have made."""
+        a = self.arguments
+        if a is None or a == "" or isinstance(a, dict):
+            return self
+        if isinstance(a, str):
+            try:
+                orjson.loads(a)
+                return self
+            except orjson.JSONDecodeError:
+                pass
+        raise _invalid(
+            "ToolCallFunction", ("arguments",), "json_arguments", "must be a JSON text", a
+        )
 
 
 class ToolCallIn(_Open):
     function: ToolCallFunction
     id: str | None = None
-    type: str | None = None
+    type: Literal["function"] | None = None
+
+
+_NEEDS_CONTENT = ("system", "developer", "user", "tool")
 
 
 class ChatMessage(_Open):
     """One OpenAI chat message as a harness sends it (other fields, e.g. ``name``,
-    ``tool_call_id``, ``reasoning_content``, are kept for the chat template)."""
+    ``tool_call_id``, ``reasoning_content``, are kept for the chat template). As OpenAI
+    requires: content on every message but the assistant's (whose may be null), and a
+    ``tool_call_id`` on a tool message."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCallIn] | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.content is None and self.role in _NEEDS_CONTENT:
+            raise _invalid(
+                "ChatMessage",
+                ("content",),
+                "content_missing",
+                f"a {self.role} message needs content (a string or a list of parts)",
+                None,
+            )
+        if self.role == "tool":
+            cid = (self.__pydantic_extra__ or {}).get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise _invalid(
+                    "ChatMessage",
+                    ("tool_call_id",),
+                    "tool_call_id_missing",
+                    "a tool message needs the id of the tool call it answers (a string)",
+                    cid,
+                )
+        return self
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Open):
+    """A function tool's definition: a name, and its parameters as a JSON Schema object."""
+
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> FunctionDef:
+        p = self.parameters
+        if p is None:
+            return self
+        problems = []
+        if p.get("type", "object") != "object":
+            problems.append(("type", "must be 'object' (the arguments are one JSON object)"))
+        if not isinstance(p.get("properties", {}), dict):
+            problems.append(("properties", "must be an object of JSON Schemas"))
+        req = p.get("required", [])
+        if not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+            problems.append(("required", "must be a list of property names"))
+        if problems:
+            key, msg = problems[0]
+            raise _invalid("FunctionDef", ("parameters", key), "json_schema", msg, p.get(key))
+        return self
+
+
+class FunctionTool(_Open):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+def _check_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as sent (the template renders it as is), once it is a valid function tool."""
+    FunctionTool.model_validate(tool, strict=True)
+    return tool
+
+
+ToolIn = Annotated[dict[str, Any], AfterValidator(_check_tool)]
 
 
 # -- sampling -------------------------------------------------------------------------------
@@ -215,6 +325,53 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+# Sampling settings no engine behind the gateway honours (the embedded one refuses them as
+# well, infra/engine/sampling.py): taken at their neutral value, which clients send by
+# default, and refused (400 naming the parameter) otherwise, never recorded as if honoured.
+NEUTRAL = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "logit_bias": {},
+}
+_CONSTRAINTS = ("json_schema", "regex", "ebnf")  # SGLang's constrained decoding
+
+
+def refuse_unhonoured(obj: BaseModel, prefix: str = "") -> None:
+    """400 for the first of ``NEUTRAL``'s fields (and constraints) that ``obj`` sets to
+    anything but its neutral value (None, the field left out, is neutral too)."""
+    for name, neutral in NEUTRAL.items():
+        v = getattr(obj, name, None)
+        if v is not None and v != neutral:
+            raise bad(
+                f"{prefix}{name}={dumps(v).decode()[:60]} is not supported: gyre samples the "
+                f"policy's tokens with temperature, top_p and top_k only (and records them as "
+                f"sampled); leave {name} out or send {dumps(neutral).decode()}",
+                prefix + name,
+            )
+    for name in _CONSTRAINTS:
+        if getattr(obj, name, None) is not None:
+            raise bad(
+                f"{prefix}{name} is not supported: gyre does not constrain the policy's output",
+                prefix + name,
+            )
+
+
+def refuse_one_tool_call(parallel_tool_calls: bool | None) -> None:
+    if parallel_tool_calls is False:
+        raise bad(
+            "parallel_tool_calls=false is not supported: gyre cannot hold the policy to one "
+            "tool call per reply (its tokens are sampled, never constrained); leave it out "
+            "and use the first tool call",
+            "parallel_tool_calls",
+        )
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
 class OpenAISampling(Body):
     """Fields that chat and text completions share."""
 
@@ -228,10 +385,16 @@ class OpenAISampling(Body):
     n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0)  # SGLang/vLLM extensions
+    min_p: float | None = Field(None, ge=0, le=1)
 
     def _gen_params(self, max_tokens: int | None, logprobs: bool) -> GenParams:
         if self.n not in (None, 1):
             raise bad("only n=1 is supported", "n")
+        refuse_unhonoured(self)
         return GenParams(
             max_new_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -283,7 +446,7 @@ class ChatRequest(OpenAISampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -291,8 +454,10 @@ class ChatRequest(OpenAISampling):
 
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    parallel_tool_calls: bool | None = None
 
     def gen_params(self) -> GenParams:
+        refuse_one_tool_call(self.parallel_tool_calls)
         refuse_unsupported(
             self.tool_choice,
             [("response_format", self.response_format)],
@@ -367,6 +532,15 @@ class NativeSampling(Body):
     stop_token_ids: list[int] | None = None
     sampling_seed: Int64 | None = None
     seed: Int64 | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(Body):
@@ -380,6 +554,7 @@ class GenerateRequest(Body):
 
     def gen_params(self) -> GenParams:
         sp = self.sampling_params or NativeSampling()
+        refuse_unhonoured(sp, "sampling_params.")
         return GenParams(
             max_new_tokens=sp.max_new_tokens,
             temperature=1.0 if sp.temperature is None else sp.temperature,

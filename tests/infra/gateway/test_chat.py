@@ -70,11 +70,12 @@ def test_apply_stop():
 
 
 def test_normalize_rejects_bad_messages():
-    for bad in [[], "x", [{"content": "no role"}], [{"role": "user", "content": 3}]]:
+    nulls = [{"role": "user", "content": None}]  # only an assistant's content may be null
+    for bad in [[], "x", [{"content": "no role"}], [{"role": "user", "content": 3}], nulls]:
         with pytest.raises(ChatInputError):
             normalize_messages(bad)
-    msgs = normalize_messages([{"role": "user", "content": None, "refusal": None}])
-    assert msgs == [{"role": "user", "content": ""}]
+    msgs = normalize_messages([{"role": "assistant", "content": None, "refusal": None}])
+    assert msgs == [{"role": "assistant", "content": ""}]
 
 
 def test_extend_reuses_generated_ids_and_templates_suffix(tok):

@@ -35,6 +35,14 @@ from storage.tito_log import TitoLog, table_to_records
 
 log = logging.getLogger(__name__)
 
+# The largest request body (413 past it, before it is read). Harnesses re-send the whole
+# conversation on every call, and gyre serves ~1M-token rollouts (presets to 1M+): ~4 bytes a
+# token of English is 4 MB, but JSON with ensure_ascii writes each non-ASCII character as a
+# 6-byte escape (~9-12 bytes a token of CJK text), tool-call arguments are JSON inside JSON
+# (escaped twice), so a legitimate 2M-token body reaches ~30 MB. 64 MiB leaves twice that, and
+# costs the gateway ~0.1-0.5 s of parsing (off the event loop) and a few hundred MB at most.
+MAX_BODY_BYTES = 64 << 20
+
 
 class GatewayCore:
     """Sessions and keys, routing with affinity, withdrawal with KV move, TITO recording."""
@@ -47,7 +55,7 @@ class GatewayCore:
         tokenizer_dir: str,
         spool_dir: str | None = None,
         admin_token: str | None = None,
-        max_body_bytes: int = 64 << 20,
+        max_body_bytes: int = MAX_BODY_BYTES,
         model_name: str = "gyre",
         default_max_tokens: int = 1024,
         flush_records: int = 512,

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from infra.gateway.chat import ChatTokenizer, apply_stop
 from infra.gateway.wire import (
     ApiError,
     Body,
+    FunctionDef,
     GenParams,
     Int64,
     Stop,
@@ -34,6 +35,7 @@ from infra.gateway.wire import (
     loads,
     refuse_one_tool_call,
     refuse_unsupported,
+    validation_error,
 )
 
 if TYPE_CHECKING:
@@ -90,6 +92,10 @@ class ResponsesRequest(Body):
             if t.get("type") != "function" or not isinstance(t.get("name"), str):
                 raise bad("only function tools (with a name) are supported", f"tools[{i}]")
             fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+            try:  # the chat path's rules: OpenAI's names, parameters a JSON Schema object
+                FunctionDef.model_validate(fn, strict=True)
+            except ValidationError as exc:
+                raise validation_error(exc, f"tools[{i}]") from None
             out.append({"type": "function", "function": fn})
         return out
 

@@ -91,3 +91,24 @@ def test_records_of_gone_servers_are_removed_at_once(tmp_path, records):
     assert live_records() == []
     assert time.monotonic() - t0 < 2  # neither waited for the health probe's timeout
     assert not gone_pid.exists() and not refused.exists()
+
+
+def test_a_silent_server_whose_run_another_process_holds_is_gone(tmp_path, records):
+    """Its process is alive (or its pid is someone else's now) and something listens on its
+    port, but the run's lease names another process: the lease's word is that it is gone."""
+    store = Store(str(tmp_path / "store"))
+    sock = _silent_socket()
+    port = sock.getsockname()[1]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = _record(records, port, store.url, other.pid)
+        lease = Lease(store, "serve", "gyre run").acquire()  # held by this test process
+        try:
+            assert live_records() == []
+            assert not path.exists()
+        finally:
+            lease.release()
+    finally:
+        other.kill()
+        other.wait()
+        sock.close()

@@ -63,8 +63,8 @@ def _health_during(gw: Gateway, send) -> tuple[httpx.Response, float, list[float
             assert c.get("/health").status_code == 200
             now = time.monotonic()
             waits.append(now - last)
-            time.sleep(0.02)
-            last = time.monotonic() - 0.02  # the pause is the prober's, not the server's
+            last = now + 0.02  # the pause is the prober's, not the server's (a stall of the
+            time.sleep(0.02)  # process during it still counts: it delays the next answer)
     th.join()
     return out["r"], out["s"], waits
 

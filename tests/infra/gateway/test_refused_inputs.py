@@ -127,6 +127,12 @@ def test_completions_and_responses_refuse_too(gw):
     body = {"model": "gyre", "input": "x", "parallel_tool_calls": False}
     r = _post(gw, "/v1/responses", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls"
+    tool = {"type": "function", "name": "get weather", "parameters": {"type": "object"}}
+    r = _post(gw, "/v1/responses", {"model": "gyre", "input": "x", "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].name"
+    tool = {"type": "function", "name": "f", "parameters": "{}"}
+    r = _post(gw, "/v1/responses", {"model": "gyre", "input": "x", "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters"
 
 
 def test_neutral_values_and_valid_tool_turns_are_taken(gw):

@@ -110,11 +110,11 @@ def cp_attention_forward(
         q_lo, q_hi = max(c.start, cp.lo), min(c.end, cp.hi)
         if q_lo >= q_hi:
             continue
-        if c.keys is None:  # a root chain: its own tokens, contiguous
+        if c.is_root:  # a root chain: its own tokens, contiguous
             k, v, depth = key[:, :, c.start : c.end], value[:, :, c.start : c.end], 0
         else:
             k, v = tree_attention.chain_keys(c, key, value)
-            depth = len(c.keys) - (c.end - c.start)  # ancestors before the chain
+            depth = c.n_keys - (c.end - c.start)  # ancestors before the chain
         # query blocks of at most BLOCK rows, each masked over the keys it can see: a
         # member's slice of a long path never builds an (n_r, N) mask
         blocks = tree_attention._blocks(q_lo, q_hi, c.start, depth, tree_attention.BLOCK)

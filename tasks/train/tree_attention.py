@@ -54,20 +54,42 @@ class Block:
 
 @dataclass
 class Chain:
-    """Tokens ``[start, end)``; ``keys`` = ancestor path + the chain (None: a root chain)."""
+    """Tokens ``[start, end)``; ``keys`` = ancestor path + the chain (None: a root chain).
+
+    A chain whose keys are one contiguous run holds only ``key_range`` (its keys are
+    ``arange(*key_range)``, built when asked for): the plans of a long path's chunks would
+    otherwise hold O(n) indices each, O(n^2 / chunk) over the path."""
 
     start: int
     end: int
-    keys: torch.Tensor | None  # (P + L,) long
+    gathered: torch.Tensor | None  # (P + L,) long, where the keys are not contiguous
     blocks: list[Block] = field(default_factory=list)
     key_range: tuple[int, int] | None = None  # keys == arange(*key_range): slice, no gather
 
     @property
+    def keys(self) -> torch.Tensor | None:
+        if self.gathered is None and self.key_range is not None:
+            return torch.arange(*self.key_range)
+        return self.gathered
+
+    @property
+    def is_root(self) -> bool:
+        """A root chain: plain causal over its own tokens, no ancestors."""
+        return self.gathered is None and self.key_range is None
+
+    @property
+    def n_keys(self) -> int:
+        """How many keys the chain attends to (0: a root chain, its own tokens)."""
+        if self.gathered is not None:
+            return len(self.gathered)
+        return 0 if self.key_range is None else self.key_range[1] - self.key_range[0]
+
+    @property
     def mask(self) -> torch.Tensor | None:
         """(L, P + L) bool: the chain's whole pattern (for checks; blocks are what runs)."""
-        if self.keys is None:
+        if self.is_root:
             return None
-        n = len(self.keys)
+        n = self.n_keys
         rows = [torch.nn.functional.pad(b.mask, (0, n - b.n_keys)) for b in self.blocks]
         return torch.cat(rows, 0)
 
@@ -85,7 +107,11 @@ class TreePlan:
             return self
         chains = [
             Chain(
-                c.start, c.end, None if c.keys is None else c.keys.to(device), c.blocks, c.key_range
+                c.start,
+                c.end,
+                None if c.gathered is None else c.gathered.to(device),
+                c.blocks,
+                c.key_range,
             )
             for c in self.chains
         ]
@@ -110,15 +136,16 @@ def restrict(tp: TreePlan, a: int, b: int, block: int | None = None) -> TreePlan
         lo, hi = max(c.start, a), min(c.end, b)
         if lo >= hi:
             continue
-        if c.keys is None and lo == c.start:
+        if c.is_root and lo == c.start:
             chains.append(Chain(lo, hi, None))
             continue
-        depth = 0 if c.keys is None else len(c.keys) - (c.end - c.start)
-        if c.keys is None:
-            keys, kr = torch.arange(c.start, hi), (c.start, hi)
+        depth = 0 if c.is_root else c.n_keys - (c.end - c.start)
+        if c.is_root:
+            keys, kr = None, (c.start, hi)
+        elif c.gathered is None:
+            keys, kr = None, (c.key_range[0], hi)
         else:
-            keys = c.keys[: depth + hi - c.start]
-            kr = None if c.key_range is None else (c.key_range[0], hi)
+            keys, kr = c.gathered[: depth + hi - c.start], None
         chains.append(Chain(lo, hi, keys, _blocks(lo, hi, c.start, depth, block), kr))
     return TreePlan(chains, b, a)
 
@@ -148,9 +175,11 @@ def plan(parent_idx: np.ndarray, block: int | None = None) -> TreePlan:
             chains.append(Chain(s, e, None))
             continue
         depth = len(path)
-        keys = torch.from_numpy(np.concatenate([path, np.arange(s, e)]))
         contiguous = bool(path[-1] == s - 1 and path[-1] - path[0] == depth - 1)
-        kr = (int(path[0]), e) if contiguous else None
+        if contiguous:
+            keys, kr = None, (int(path[0]), e)
+        else:
+            keys, kr = torch.from_numpy(np.concatenate([path, np.arange(s, e)])), None
         chains.append(Chain(s, e, keys, _blocks(s, e, s, depth, block), kr))
     return TreePlan(chains, n)
 
@@ -187,7 +216,7 @@ def tree_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for c in tree_plan.chains:
-        if c.keys is None:
+        if c.is_root:
             o = F.scaled_dot_product_attention(
                 query[:, :, c.start - q0 : c.end - q0],
                 key[:, :, c.start : c.end],
@@ -211,7 +240,7 @@ def chain_keys(c: Chain, key: torch.Tensor, value: torch.Tensor):
     if c.key_range is not None:
         k0, k1 = c.key_range
         return key[:, :, k0:k1], value[:, :, k0:k1]
-    keys = c.keys.to(key.device)
+    keys = c.gathered.to(key.device)
     return key.index_select(2, keys), value.index_select(2, keys)
 
 

@@ -87,9 +87,7 @@ def connect(store: Store, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> duckdb.Du
     for name in VIEWS:
         # every column of the schema, in its order, even where no segment has it yet (a
         # column added after the segments were written reads as null)
-        empty: pa.Table = SCHEMAS[name].empty_table()
-        con.register(f"_empty_{name}", empty)
-        source = f"SELECT * FROM _empty_{name}"
+        source = _empty_select(con, name, SCHEMAS[name])
         if store.segments(name):
             if store.protocol == "file":
                 glob = store.path(name, "part-*.parquet")
@@ -99,6 +97,37 @@ def connect(store: Store, memory_limit: str = DEFAULT_MEMORY_LIMIT) -> duckdb.Du
         con.execute(f"CREATE VIEW {name} AS {source}")
     register_text(con, store)  # detokenize(), calls, transcripts (storage/transcripts.py)
     return con
+
+
+_SQL_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+}
+
+
+def _sql_type(t: pa.DataType) -> str | None:
+    if pa.types.is_list(t):
+        inner = _sql_type(t.value_type)
+        return None if inner is None else f"{inner}[]"
+    return _SQL_TYPES.get(t)
+
+
+def _empty_select(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema) -> str:
+    """A SELECT of no rows with ``schema``'s columns and types: typed NULLs in SQL where
+    every type has a spelling here (registering an Arrow table makes DuckDB import pandas,
+    a third of a cold `gyre sql`), else the empty Arrow table itself."""
+    types = [_sql_type(f.type) for f in schema]
+    if all(types):
+        cols = ", ".join(
+            f'CAST(NULL AS {t}) AS "{f.name}"' for f, t in zip(schema, types, strict=True)
+        )
+        return f"SELECT {cols} WHERE false"
+    con.register(f"_empty_{name}", schema.empty_table())
+    return f"SELECT * FROM _empty_{name}"
 
 
 # row count of every view: what `gyre sql` shows without a query

@@ -1,6 +1,7 @@
 """The text views decode without transformers where transformers would decode with the
 checkpoint's tokenizer.json backend unchanged (storage/transcripts.py): the same text,
-token for token, and a cold ``gyre sql`` on ``calls`` never imports transformers (or torch)."""
+token for token, and a cold ``gyre sql`` on ``calls`` never imports transformers (or torch;
+nor pandas, which DuckDB imports when an Arrow table is registered: storage/sql.py)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_a_cold_gyre_sql_on_the_text_views_imports_no_transformers(tmp_path):
         "import sys; from flows.cli import main; "
         f"rc = main(['sql', '--store', {st.url!r}, '--format', 'json', "
         "'SELECT output_text AS t FROM calls UNION ALL SELECT text FROM transcripts']); "
-        "print('loaded:', sorted(m for m in ('transformers', 'torch') if m in sys.modules)); "
+        "print('loaded:', sorted(m for m in ('transformers', 'torch', 'pandas') if m in sys.modules)); "
         "sys.exit(rc)"
     )
     p = subprocess.run(

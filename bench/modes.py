@@ -308,6 +308,9 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
             "bench_cpu_cores": cpu_self / wall,  # flow, gateway, coordinator, executor
             "cells_cpu_cores": (ch1 - ch0) / wall,  # harnesses, engines, trainers, Prefect
             "loadavg_1m": os.getloadavg()[0],
+            # the scheduling loop's own seconds by decision / event kind (Stats.loop_s)
+            "loop_s": {k: round(v, 3) for k, v in getattr(stats, "loop_s", {}).items()},
+            "loop_n": dict(getattr(stats, "loop_n", {})),
         },
     }
 

@@ -144,6 +144,10 @@ class Stats:
     cells_lost: int = 0
     cells_healed: int = 0
     step_retries: int = 0
+    # the scheduling loop's own time: seconds and calls per decision kind, event kind and
+    # look at the workers (everything else it waits for comes back as an event)
+    loop_s: dict[str, float] = field(default_factory=dict)
+    loop_n: dict[str, int] = field(default_factory=dict)
 
 
 class Executor(Healing):
@@ -330,6 +334,10 @@ class Executor(Healing):
     # -- the door -------------------------------------------------------------------------
     def apply(self, d: Decision, reason: str = "") -> None:
         """Carry out one decision (returns at once; completion comes back as an event)."""
+        with self._timed(type(d).__name__):
+            self._apply(d, reason)
+
+    def _apply(self, d: Decision, reason: str) -> None:
         if isinstance(d, StartRollouts):
             for _ in range(d.n):
                 self._start_group(d.cell)
@@ -348,17 +356,30 @@ class Executor(Healing):
     def events(self, timeout: float) -> list[Event]:
         """Events since the last call (waits up to ``timeout`` for the first one); looks
         at the cluster's workers first (losses, replacements, deadlines)."""
-        out: list[Event] = self._watch()
+        with self._timed("watch"):
+            out: list[Event] = self._watch()
         try:
             item = self._q.get(timeout=0 if out else timeout)
         except queue.Empty:
             return out
         while True:
-            out += self._handle(item)
+            with self._timed(item[0]):
+                out += self._handle(item)
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 return out
+
+    @contextmanager
+    def _timed(self, what: str):
+        """Seconds the scheduling loop spends in ``what`` (a decision carried out, an event
+        handled, the look at the workers): ``Stats.loop_s``, for the run's summary."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.stats.loop_s[what] = self.stats.loop_s.get(what, 0.0) + time.monotonic() - t0
+            self.stats.loop_n[what] = self.stats.loop_n.get(what, 0) + 1
 
     # -- rollouts -------------------------------------------------------------------------
     def _start_group(self, cell: int) -> None:
@@ -378,20 +399,22 @@ class Executor(Healing):
         )
 
     def process_addrs(self) -> tuple[str, ...]:
-        """Where a finished group's processing goes: the rollout cells with no role change
-        and no weight load decided or under way, of those the ones moved least often so far
-        (elastic's core, async's rollout side, every cell of colocate between its steps);
-        none (anywhere) when every cell is changing. A drain, a park, a weight load are
-        ``Client.run`` calls, not tasks, so Dask sees a cell busy with them as free, and a
-        train cell as one task on its threads: unplaced, processing could wait behind any
-        of them, or run beside a step."""
+        """Where a finished group's processing goes: the rollout cells with no weight load
+        decided or under way (all rollout cells if every one has: a load is short, a step
+        or a role change is not), of those the ones moved least often so far (elastic's
+        core, async's rollout side, every cell of colocate between its steps); none
+        (anywhere) when no cell rolls out. A cell on its way between roles is never one: a
+        drain, a park, a weight load are ``Client.run`` calls, not tasks, so Dask sees a
+        cell busy with them as free, and a train cell as one task on its threads: unplaced,
+        processing could wait behind any of them, or run beside a step."""
         with self._lock:
             busy = set(self._acting) | set(self._load_t)
-        steady = [
+        rollout = [
             i
             for i, role in enumerate(self.roles)
-            if role == "rollout" and i not in busy and not self.membership.is_lost(i)
+            if role == "rollout" and not self.membership.is_lost(i)
         ]
+        steady = [i for i in rollout if i not in busy] or rollout
         if not steady:
             return ()
         least = min(self._moves[i] for i in steady)

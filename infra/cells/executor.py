@@ -409,16 +409,8 @@ class Executor(Healing):
         processing could wait behind any of them, or run beside a step."""
         with self._lock:
             busy = set(self._acting) | set(self._load_t)
-        rollout = [
-            i
-            for i, role in enumerate(self.roles)
-            if role == "rollout" and not self.membership.is_lost(i)
-        ]
-        steady = [i for i in rollout if i not in busy] or rollout
-        if not steady:
-            return ()
-        least = min(self._moves[i] for i in steady)
-        return tuple(self.addrs[i] for i in steady if self._moves[i] == least)
+        lost = {i for i in range(len(self.addrs)) if self.membership.is_lost(i)}
+        return tuple(self.addrs[i] for i in steady_cells(self.roles, busy, lost, self._moves))
 
     def _handle(self, item: tuple) -> list[Event]:
         kind = item[0]
@@ -796,6 +788,20 @@ class Executor(Healing):
             except Exception as exc:  # best effort, for the report
                 out[self.cell_id(i)] = {"error": str(exc)}
         return out
+
+
+def steady_cells(
+    roles: list[str], busy: set[int], lost: set[int], moves: list[int]
+) -> tuple[int, ...]:
+    """The cells ``Executor.process_addrs`` places processing on: of the rollout cells not
+    lost, those with no action (``busy``: a weight load decided or under way; all of them if
+    every one is busy), and of those the ones with the fewest role changes (``moves``)."""
+    rollout = [i for i, role in enumerate(roles) if role == "rollout" and i not in lost]
+    steady = [i for i in rollout if i not in busy] or rollout
+    if not steady:
+        return ()
+    least = min(moves[i] for i in steady)
+    return tuple(i for i in steady if moves[i] == least)
 
 
 def together(pool: ThreadPoolExecutor, main: Callable[[], Any], *side: Callable[[], Any]) -> Any:

@@ -36,7 +36,7 @@ from tasks.sched.coordinator import (
 )
 from tests.infra.cells.jobs import FutureJob
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~25-45 s on the shared cores
 
 
 @dataclass

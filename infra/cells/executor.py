@@ -23,9 +23,13 @@ simulation (dask's adaptive core and worker state machine work the same way):
   (a new DP generation whenever the members changed); then ``StepFinished``.
 
 Control-plane actions run on a small thread pool so the loop never blocks on a drain or a
-weight load; units of work are started on the caller's thread (Prefect submits need the
-flow's context). Every decision and role change is appended to the ``cells`` dataset with
-its reason; every wait has a bound and its error names what it waited for.
+weight load, and the parts of one role change that need not wait for each other run beside
+each other (``together``: the gateway's withdrawal and the Dask role, the engine's load and
+leaving the DP group); units of work are started on the caller's thread (Prefect submits
+need the flow's context), processing on the steady rollout cells (``process_addrs``). Every
+decision and role change is a ``cells`` row with its reason and its measured costs, written
+off the loop in order (infra/cells/cells_log.py); every wait has a bound and its error names
+what it waited for. ``Stats.loop_s`` is the loop's own time per decision and event kind.
 
 Faults (the coordinator never sees them): lost cells are healed, aborted steps retried and
 tasks that no cell can take stop the run; `infra.cells.healing` holds that part, and

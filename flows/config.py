@@ -261,6 +261,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "timeout_s": 3600.0,
         },
         "train": {"steps": 2, "max_tokens_per_micro": 2048},
+        # one step trains 2 paths of ~118K tokens: ~4-8 minutes each on 2 CPU cores, more
+        # under load; the default 600 s bound on a step took it for a hung member
+        "scheduler": {"step_timeout_s": 3600.0},
         "eval": {"every": 0},
     },
 }

@@ -348,7 +348,7 @@ class SessionCalls:
         n = self._held + len(self._spine_hashes) + self._heads.nbytes  # _held: kept by add
         n += sum(a.nbytes for a in self._ctx.values()) + sys.getsizeof(self._by_chunk)
         memo = self.body_memo
-        return n + (len(memo.raw) if memo is not None else 0)
+        return n + (memo.end if memo is not None else 0)
 
     def _hashes(self, c: CallState, m: int) -> bytes:
         """The first ``m`` chunk digests of call ``c``'s context."""

@@ -29,7 +29,7 @@ from infra.gateway.chat import (
     template_messages,
     tools_key,
 )
-from infra.gateway.chat_body import body_memo, parse_tail
+from infra.gateway.chat_body import Arriving, body_memo, parse_tail
 from infra.gateway.pipeline import OFFLOAD_BYTES
 from infra.gateway.replies import (
     chat_body,
@@ -105,7 +105,24 @@ class Request:
         body = msg.get("body", b"")
         if not msg.get("more_body"):
             return body
-        parts, size = [body], len(body)
+        parts = [body]
+        await self._more(msg, limit, len(body), parts.append)
+        return b"".join(parts)
+
+    async def body_into(self, limit: int, sink: Arriving) -> Arriving:
+        """The body fed part by part to ``sink`` (a chat body compared with the session's
+        last one as it arrives: no whole copy of it is made, `infra.gateway.chat_body`)."""
+        n = self.header(b"content-length")
+        if n is not None and n.isdigit() and int(n) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+        msg = await self.receive()
+        body = msg.get("body", b"")
+        sink.feed(body)
+        if msg.get("more_body"):
+            await self._more(msg, limit, len(body), sink.feed)
+        return sink
+
+    async def _more(self, msg: dict, limit: int, size: int, put: Callable[[bytes], Any]) -> None:
         while msg.get("more_body"):
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
@@ -114,8 +131,7 @@ class Request:
             size += len(part)
             if size > limit:
                 raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-            parts.append(part)
-        return b"".join(parts)
+            put(part)
 
     def bearer(self) -> str | None:
         auth = self.header(b"authorization") or ""
@@ -241,16 +257,18 @@ class GatewayApp:
     async def chat(self, req: Request, send: Send) -> None:
         gw = self.gw
         s = self.session_of(req)
-        raw = await req.body(gw.max_body_bytes)
         memo = gw.session_calls(s).body_memo
+        got = await req.body_into(gw.max_body_bytes, Arriving(memo))
+        size = got.size
 
         def parse():
             # only what is new since the session's last chat body, when it extends that one
-            tail = parse_tail(raw, memo)
-            body = tail.request if tail is not None else parse_body(ChatRequest, raw)
+            tail = parse_tail(got, memo)
+            body = tail.request if tail is not None else parse_body(ChatRequest, got.whole())
             return tail, body, template_messages(body.messages)
 
-        tail, body, messages = await off_loop(len(raw), parse)
+        # off the loop when much is to be parsed: the bytes past the memo's end, or them all
+        tail, body, messages = await off_loop(size - got.matched if got.extends else size, parse)
         model = self.check_model(body.model)
         gp = body.gen_params()
         tools, tok = body.tools, gw.tok
@@ -265,7 +283,7 @@ class GatewayApp:
                     tok, calls, m.head, tail.t, messages, tools, m.msg_key, limit
                 )
                 if inp is None:
-                    whole.append(parse_body(ChatRequest, raw))
+                    whole.append(parse_body(ChatRequest, got.whole()))
                     messages, fast = template_messages(whole[0].messages), None
                 else:
                     calls.chain_memo.state = None  # its messages: not kept twice
@@ -273,13 +291,14 @@ class GatewayApp:
                 inp = build_chat_input(tok, calls, messages, tools, limit)
             if tok.message_local:
                 head = tail.memo.head if fast is not None else messages[0]
-                got = whole[0] if whole else body
+                req_of = whole[0] if whole else body
                 key = tools_key(tools)
-                calls.body_memo = body_memo(raw, got, head, key, inp.msg_key, fast)
+                raw = got.whole() if fast is None else None  # a tail's memo needs no join
+                calls.body_memo = body_memo(raw, req_of, head, key, inp.msg_key, fast)
             return inp
 
         call = await gw.pipeline.open(
-            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools, size=len(raw)
+            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools, size=size
         )
         after, at = call.inp.after, call.inp.after_at
         gw.counters["chat_tail_parses"] += tail is not None and not whole

@@ -8,7 +8,7 @@ import pytest
 
 from infra.engine_api.client import EngineClient, _body, _dumps
 from infra.gateway.call_index import CHUNK, ChatInput, SessionCalls, chunk_hashes
-from infra.gateway.chat_body import body_memo, parse_tail
+from infra.gateway.chat_body import ROPE_MIN, Arriving, body_memo, parse_tail
 from infra.gateway.ids_json import IdsJsonCache
 from infra.gateway.wire import ChatRequest, parse_body
 
@@ -26,6 +26,10 @@ def _memo(raw: bytes = B1):
     return body_memo(raw, parse_body(ChatRequest, raw), HEAD, b"[]", b"K", None)
 
 
+def _tail(raw: bytes, memo, part: int = 0):
+    return parse_tail(Arriving.of(raw, memo, part), memo)
+
+
 def test_the_memo_of_a_full_parse_ends_right_after_the_last_message():
     m = _memo()
     # '{"model": "m", "messages": [' is 28 bytes, the message 33 chars / 34 bytes (é: 2)
@@ -34,7 +38,7 @@ def test_the_memo_of_a_full_parse_ends_right_after_the_last_message():
 
 
 def test_a_body_extending_the_memo_is_parsed_from_there():
-    t = parse_tail(B2, _memo())
+    t = _tail(B2, _memo())
     assert t is not None and t.t == 1
     assert [(x.role, x.content) for x in t.request.messages] == [
         ("assistant", "Hi"),
@@ -44,7 +48,7 @@ def test_a_body_extending_the_memo_is_parsed_from_there():
     assert B2[: t.end].endswith('"ñx"}'.encode()) and B2[t.end :].startswith(b"\n]")
     # the tail's memo ends where a full parse of the same body says
     full = body_memo(B2, parse_body(ChatRequest, B2), HEAD, b"[]", b"K2", None)
-    nxt = body_memo(B2, t.request, HEAD, b"[]", b"K2", t)
+    nxt = body_memo(None, t.request, HEAD, b"[]", b"K2", t)
     assert (
         (nxt.end, nxt.n, nxt.before)
         == (full.end, full.n, full.before)
@@ -53,6 +57,43 @@ def test_a_body_extending_the_memo_is_parsed_from_there():
     # request_json of the tail: messages from the reply on (at = 1), as the full body's
     whole = parse_body(ChatRequest, B2)
     assert t.request.request_json("c1", 1, offset=1) == whole.request_json("c1", 1)
+
+
+@pytest.mark.parametrize("part", [1, 7, 61, 62, 63, 0])
+def test_a_body_arriving_in_parts_keeps_only_the_bytes_past_the_memo(part):
+    m = _memo()  # its rope: B1's first 62 bytes
+    got = Arriving.of(B2, m, part)
+    assert got.extends and got.matched == m.end == 62
+    assert got.tail == B2[62:] and sum(map(len, got.rest)) == len(B2) - 62  # nothing before
+    t = parse_tail(got, m)
+    assert t is not None and t.tail == B2[62:] and t.end == _tail(B2, m).end
+    assert got.whole() == B2 and not got.extends  # joined once, from the rope + the rest
+    # a part that differs is kept whole, and so is everything after it
+    bad = B2.replace(b'"m"', b'"n"', 1)
+    other = Arriving.of(bad, m, part)
+    assert not other.extends and other.whole() == bad and parse_tail(other, m) is None
+
+
+def test_a_memo_is_a_rope_of_each_calls_new_bytes_with_short_segments_merged():
+    m = _memo()
+    assert m.rope == (memoryview(B1)[:62],) and bytes(m.rope[0]) == B1[:62]
+    raw, n = B1[:62], 1
+    memos = [m]
+    for i in range(40):  # each call: its reply + a new user turn of ~2 KB (~30 ASCII: merged)
+        text = "x" * (2000 if i % 2 else 30)
+        new = f', {{"role": "assistant", "content": "Hi"}}, {{"role": "user", "content": "{text}"}}'
+        body = raw + new.encode() + b'], "max_tokens": 8}'
+        t = _tail(body, m)
+        assert t is not None and t.t == n and t.tail == body[len(raw) :]
+        m = body_memo(None, t.request, HEAD, b"[]", b"K", t)
+        raw, n = body[: t.end], n + 2
+        assert b"".join(m.rope) == raw and m.end == len(raw)
+        memos.append(m)
+    # binary-counter merging: O(log calls) segments, none shorter than ROPE_MIN bar the last
+    assert len(m.rope) <= 8 and all(len(s) >= ROPE_MIN for s in m.rope[:-1])
+    assert all(len(a) > len(b) for a, b in zip(m.rope[:-1], m.rope[1:], strict=True))
+    # an earlier memo is left as it was (a rope is never written in place)
+    assert b"".join(memos[1].rope) == b"".join(memos[2].rope)[: memos[1].end]
 
 
 @pytest.mark.parametrize(
@@ -72,12 +113,14 @@ def test_a_body_extending_the_memo_is_parsed_from_there():
     ],
 )
 def test_anything_else_takes_the_full_parse(bad):
-    assert parse_tail(bad, _memo()) is None
+    assert _tail(bad, _memo()) is None
 
 
 def test_no_memo_or_a_different_prefix_takes_the_full_parse():
-    assert parse_tail(B2, None) is None
-    assert parse_tail(B2.replace(b'"m"', b'"n"', 1), _memo()) is None
+    assert _tail(B2, None) is None
+    assert _tail(B2.replace(b'"m"', b'"n"', 1), _memo()) is None
+    m = _memo()
+    assert parse_tail(Arriving.of(B2, _memo()), m) is None  # compared with another memo
 
 
 def _add(calls: SessionCalls, rid: str, ids, out, seq: int, hint=None) -> ChatInput:

@@ -1,0 +1,102 @@
+"""The gateway process's allocator settings and TITO-writer warm-up (infra/gateway/memory.py),
+in a fresh interpreter each (they are process-wide)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def _run(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_warm_up_loads_what_the_first_flush_would_so_that_it_imports_nothing():
+    got = _run(
+        """
+        import sys, tempfile
+        from infra.gateway.memory import warm_tito_writer
+        from storage.store import Store
+        from storage.tito_log import records_to_table
+        from tests.infra.gateway.test_memory import _record
+        store = Store(tempfile.mkdtemp())
+        before = "pandas" in sys.modules
+        warm_tito_writer()
+        mods = set(sys.modules)
+        store.append("tito", records_to_table([_record()]))
+        print(before, sorted(set(sys.modules) - mods))
+        """
+    )
+    assert got == "False []"  # pandas (pyarrow's DataFrame check) and the writer: loaded before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_freed_two_megabyte_buffer_is_unmapped_and_arrow_released_once_per_flush():
+    got = _run(
+        """
+        import pyarrow as pa
+        from infra.gateway.memory import ArrowRelease, bound_allocators
+        def rss():
+            return next(int(l.split()[1]) for l in open("/proc/self/status")
+                        if l.startswith("VmRSS")) * 1024
+        assert bound_allocators()
+        del bytearray(8 << 20)[:]  # glibc's default: its mmap threshold would rise to 8 MB
+        keep = [bytearray(2 << 20) for _ in range(20)]  # 40 MB: 2 MB each, above 1 MB: mapped
+        pin = bytearray(200 << 10)  # a heap block after them: the heap's top cannot shrink
+        up = rss()
+        del keep
+        down = rss()
+        r = ArrowRelease()
+        assert not r.after(0)  # no flush yet: nothing to do
+        import threading
+        def flush():  # Arrow memory taken and freed on another thread, as the flush does
+            bufs = [pa.allocate_buffer(1 << 20) for _ in range(40)]
+            for b in bufs:
+                b.to_pybytes()
+        t = threading.Thread(target=flush); t.start(); t.join()
+        print(round((up - down) / 2**20), r.after(1), r.after(1), r.releases)
+        """
+    )
+    unmapped, first, again, n = got.split()
+    assert int(unmapped) >= 38 and (first, again, n) == ("True", "False", "1")
+
+
+def _record():
+    import numpy as np
+
+    from storage.tito import TitoRecord
+
+    return TitoRecord(
+        run_id="r",
+        session_id="s",
+        request_id="q",
+        seq_no=0,
+        parent_request_id=None,
+        prefix_len=0,
+        new_input_ids=np.arange(5, dtype=np.int32),
+        output_ids=np.arange(2, dtype=np.int32),
+        output_logprobs=np.zeros(2, np.float32),
+        weight_version=0,
+        cell_id="c",
+        finish_reason="stop",
+        cached_tokens=0,
+        t_start=0.0,
+        t_end=0.0,
+        endpoint="chat",
+        request_json="{}",
+        response_json=None,
+    )

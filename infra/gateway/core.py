@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from infra.engine_api.client import EngineError
 from infra.gateway.chat import ChatTokenizer, SessionCalls
-from infra.gateway.memory import ArrowRelease, bound_allocators, warm_tito_writer
+from infra.gateway.memory import ReleasingStore, bound_allocators, warm_tito_writer
 from infra.gateway.pipeline import CallPipeline
 from infra.gateway.responses import restore as restore_responses
 from infra.gateway.router import EngineHandle, Router
@@ -77,8 +77,9 @@ class GatewayCore:
         self.model_names = {model_name, os.path.basename(os.path.normpath(tokenizer_dir))}
         self.spool_dir = os.path.abspath(spool_dir or tempfile.mkdtemp(prefix="gyre-gateway-"))
         os.makedirs(self.spool_dir, exist_ok=True)
+        self._tito_store = ReleasingStore(store)  # its flush thread's Arrow memory given back
         self.tito = TitoLog(
-            store,
+            self._tito_store,
             os.path.join(self.spool_dir, "tito"),
             flush_records=flush_records,
             flush_seconds=flush_seconds,
@@ -86,7 +87,6 @@ class GatewayCore:
         )
         bound_allocators()  # per-call buffers reused or unmapped, not kept (memory.py)
         warm_tito_writer()  # the first flush's imports, now rather than mid-session
-        self.arrow_release = ArrowRelease()  # Arrow's pool given back after each flush
         self.sessions = SessionTable(os.path.join(self.spool_dir, "sessions.jsonl"))
         self._restore_pending = {s.session_id for s in self.sessions.all()}
         self._restore_table = None
@@ -328,7 +328,7 @@ class GatewayCore:
             "gateway/kv_moves": self.router.kv_moves,
             "gateway/kv_moved_tokens": self.router.kv_moved_tokens,
             "gateway/reprefills": self.router.reprefills,
-            "gateway/arrow_releases": self.arrow_release.releases,
+            "gateway/arrow_releases": self._tito_store.releases,
             **{f"tito/{k}": v for k, v in self.tito.stats.items()},
             "engines": self.router.info(),
         }

@@ -17,7 +17,8 @@ set grew ~80 MB where its sessions held ~9 MB, in two steps at the first TITO fl
 1 MB or more is mapped on its own and unmapped when freed; a heap keeps at most 2 MB free at
 its top, above the ~1 MB a call's body parts need, so they are reused without page faults
 (a 128 KB trim threshold, glibc's default once the mmap threshold is set, re-faulted ~5 MB a
-call at 1M tokens). `ArrowRelease` then trims every arena once each flush is done. Measured
+call at 1M tokens). `ReleasingStore` collects the flush thread's Arrow heap after each
+segment. Measured
 (bench/xlong_gateway.py, 1M tokens): the process grew 18 B per context token where it grew
 45 with warm imports alone and 89 before, for 8.6 the session holds.
 
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.store import Store
 from storage.tito import TitoRecord
 from storage.tito_log import records_to_table
 
@@ -82,24 +84,22 @@ def warm_tito_writer() -> None:
     pq.write_table(records_to_table([rec]), pa.BufferOutputStream(), compression="zstd")
 
 
-class ArrowRelease:
-    """Release Arrow's unused memory after each TITO flush (`after`: the segments count; on
-    glibc's allocator, a ``malloc_trim`` of every arena)."""
+class ReleasingStore:
+    """The store as the TITO writer sees it: after each segment its ``append`` writes (on the
+    writer's flush thread), that thread's unused Arrow memory is given back (mimalloc keeps
+    freed pages in the heap of the thread that freed them; a collect from any other thread
+    leaves them there). Everything else is the store's own."""
 
-    def __init__(self) -> None:
-        self.seen = 0
+    def __init__(self, store: Store) -> None:
+        self._store = store
         self.releases = 0
 
-    def after(self, segments: int) -> bool:
-        """Release if segments were written since the last call; True if it did."""
-        if segments == self.seen:
-            return False
-        self.seen = segments
-        pool = pa.default_memory_pool()
-        # mimalloc collects nothing from a thread that never allocated from it (the event loop
-        # here): one small buffer makes this thread's heap, then its collect purges every
-        # segment the flush thread freed
-        pa.allocate_buffer(64, memory_pool=pool)
-        pool.release_unused()
-        self.releases += 1
-        return True
+    def append(self, dataset: str, rows):
+        try:
+            return self._store.append(dataset, rows)
+        finally:
+            pa.default_memory_pool().release_unused()
+            self.releases += 1
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)

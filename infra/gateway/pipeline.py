@@ -49,7 +49,6 @@ from infra.gateway.chat import (
     parse_output,
     reply_key,
 )
-from infra.gateway.memory import ArrowRelease
 from infra.gateway.router import EngineHandle, NoEngineError, Router
 from infra.gateway.sessions import Session
 from infra.gateway.wire import ApiError, GenParams, bad, dumps
@@ -68,7 +67,6 @@ class CallState(Protocol):
     tito: TitoLog
     router: Router
     counters: dict[str, int]
-    arrow_release: ArrowRelease
 
     def session_calls(self, s: Session) -> SessionCalls: ...
 
@@ -432,7 +430,6 @@ class CallPipeline:
             response_json=dumps(answer.body).decode() if answer.body is not None else None,
         )
         await gw.tito.append_async(rec)
-        gw.arrow_release.after(gw.tito.stats["segments"])  # a flush's buffers, given back
         with s.state_lock:
             s.calls.add(
                 call.rid, rec.seq_no, inp, rec.output_ids, reply=reply, im_end_id=gw.tok.im_end_id

@@ -104,6 +104,7 @@ class GatewayCore:
             "retries": 0,
             "prefix_handles": 0,
             "chat_tail_parses": 0,  # chat bodies parsed from where the last one ended
+            "builds_off_loop": 0,  # inputs built on a worker thread (a large session's branch)
         }
 
     def close(self, *, flush: bool = True) -> None:

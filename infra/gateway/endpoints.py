@@ -29,7 +29,7 @@ from infra.gateway.chat import (
     template_messages,
     tools_key,
 )
-from infra.gateway.chat_body import Arriving, body_memo, parse_tail
+from infra.gateway.chat_body import Arriving, TailBody, body_memo, parse_tail
 from infra.gateway.pipeline import OFFLOAD_BYTES
 from infra.gateway.replies import (
     chat_body,
@@ -274,31 +274,49 @@ class GatewayApp:
         tools, tok = body.tools, gw.tok
         whole: list[ChatRequest] = []  # the whole body, when the new messages were not enough
 
-        def build(calls: SessionCalls, limit: int | None) -> ChatInput:
-            nonlocal messages
-            inp, fast = None, tail
-            if tail is not None:
-                m = tail.memo
-                inp = extend_chat_input(
-                    tok, calls, m.head, tail.t, messages, tools, m.msg_key, limit
-                )
-                if inp is None:
-                    whole.append(parse_body(ChatRequest, got.whole()))
-                    messages, fast = template_messages(whole[0].messages), None
-                else:
-                    calls.chain_memo.state = None  # its messages: not kept twice
-            if inp is None:
-                inp = build_chat_input(tok, calls, messages, tools, limit)
+        def keep_memo(calls: SessionCalls, inp: ChatInput, fast: TailBody | None) -> None:
             if tok.message_local:
-                head = tail.memo.head if fast is not None else messages[0]
+                head = fast.memo.head if fast is not None else messages[0]
                 req_of = whole[0] if whole else body
-                key = tools_key(tools)
                 raw = got.whole() if fast is None else None  # a tail's memo needs no join
-                calls.body_memo = body_memo(raw, req_of, head, key, inp.msg_key, fast)
+                calls.body_memo = body_memo(raw, req_of, head, tools_key(tools), inp.msg_key, fast)
+
+        tried: list[bool] = []  # the new messages alone were tried (and were not enough)
+
+        def extend(calls: SessionCalls, limit: int | None) -> ChatInput | None:
+            """The input from the new messages alone: O(new), whatever the context."""
+            tried.append(True)
+            m = tail.memo
+            inp = extend_chat_input(tok, calls, m.head, tail.t, messages, tools, m.msg_key, limit)
+            if inp is not None:
+                calls.chain_memo.state = None  # its messages: not kept twice
+                keep_memo(calls, inp, tail)
             return inp
 
+        def build(calls: SessionCalls, limit: int | None) -> ChatInput:
+            nonlocal messages
+            if tail is not None:
+                inp = extend(calls, limit) if not tried else None
+                if inp is not None:
+                    return inp
+                whole.append(parse_body(ChatRequest, got.whole()))
+                messages = template_messages(whole[0].messages)
+            inp = build_chat_input(tok, calls, messages, tools, limit)
+            keep_memo(calls, inp, None)
+            return inp
+
+        # new messages of a small tail are built on the loop (a thread hop costs more than
+        # them); the whole conversation, when they are not enough, as the session's size says
+        light = extend if tail is not None and len(tail.tail) < OFFLOAD_BYTES else None
         call = await gw.pipeline.open(
-            s, "chat", build, gp=gp, param="messages", parse_tools=body.parse_tools, size=size
+            s,
+            "chat",
+            build,
+            gp=gp,
+            param="messages",
+            parse_tools=body.parse_tools,
+            size=size,
+            light=light,
         )
         after, at = call.inp.after, call.inp.after_at
         gw.counters["chat_tail_parses"] += tail is not None and not whole

@@ -170,6 +170,7 @@ class CallPipeline:
         param: str,
         parse_tools: bool = False,
         size: int = 0,
+        light: Callable[[SessionCalls, int | None], ChatInput | None] | None = None,
     ) -> Call:
         """Token input and budget of a call, or `ApiError`; nothing is stored or consumed.
 
@@ -179,7 +180,9 @@ class CallPipeline:
         would otherwise stall every other session, and ``/health``, on the event loop.
         ``limit`` is the engines' context (None before one joined): what cannot fit it is
         refused from its length before it is tokenized (`ContextTooLong`). ``param`` names
-        the request field that a rejected input blames."""
+        the request field that a rejected input blames. ``light``: a build whose work does not
+        grow with the session (a chat call's new messages), tried first on the loop whatever
+        the session's size; None from it means ``build`` is needed."""
         calls = self.gw.session_calls(s)
         limit = self.gw.max_context()
 
@@ -188,8 +191,14 @@ class CallPipeline:
                 return build(calls, limit)
 
         try:
-            big = s.tokens >= OFFLOAD_TOKENS or size >= OFFLOAD_BYTES
-            inp = await asyncio.to_thread(run) if big else run()
+            inp = None
+            if light is not None:
+                with s.state_lock:
+                    inp = light(calls, limit)
+            if inp is None:
+                big = s.tokens >= OFFLOAD_TOKENS or size >= OFFLOAD_BYTES
+                self.gw.counters["builds_off_loop"] += big
+                inp = await asyncio.to_thread(run) if big else run()
         except ChatInputError as exc:
             raise bad(str(exc), exc.param or param, exc.code) from exc
         if not self.gw.router.active():  # the budget needs an engine's limits: wait for one

@@ -133,3 +133,41 @@ def test_long_session_through_prefix_handles_is_token_exact_and_branches(tmp_pat
         assert reset.prefix_len < len(full[recs[1].request_id])
     finally:
         gw.stop()
+
+
+@pytest.mark.integration
+def test_a_large_sessions_next_turn_is_built_on_the_loop_and_a_branch_off_it(
+    tmp_path, served, monkeypatch
+):
+    """Past OFFLOAD_TOKENS, a call whose new messages extend the last one is built from them
+    alone on the event loop (no thread hop: its work does not grow with the session); a
+    branch, which renders the whole conversation, still goes to a worker thread."""
+    from infra.gateway import pipeline
+
+    monkeypatch.setattr(pipeline, "OFFLOAD_TOKENS", 50)  # "large" from the second call on
+    model_dir, eng, url = served
+    gw = Gateway(Store(str(tmp_path / "store")), run_id="run-l", tokenizer_dir=model_dir,
+                 spool_dir=str(tmp_path / "spool"))  # fmt: skip
+    gw.add_engine("a", url)
+    gw.start()
+    try:
+        sid, key = gw.new_session()
+        cl = openai.OpenAI(base_url=gw.openai_base_url, api_key=key, max_retries=0, timeout=60)
+        msgs: list[dict] = [{"role": "system", "content": "be brief"}]
+        for i in range(6):
+            msgs.append({"role": "user", "content": f"step {i}: " + "word " * 20})
+            r = cl.chat.completions.create(model=gw.model_name, messages=msgs, max_tokens=4)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        assert gw.counters["chat_tail_parses"] == 5 and gw.counters["builds_off_loop"] == 0
+        assert len(exact_records(gw, sid, eng)) == 6  # token-exact, each extending the last
+        edited = [dict(m) for m in msgs]
+        edited[1] = {**edited[1], "content": "changed"}
+        cl.chat.completions.create(model=gw.model_name, messages=edited[:-1], max_tokens=4)
+        assert gw.counters["builds_off_loop"] == 1
+        gw.flush()
+        recs = [r for r in table_to_records(gw.store.read("tito")) if r.session_id == sid]
+        full = reconstruct_inputs(recs)
+        assert len(recs) == 7 and all(full[r.request_id].tolist() == eng.received[r.request_id]
+                                      for r in recs)  # fmt: skip
+    finally:
+        gw.stop()

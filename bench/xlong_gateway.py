@@ -122,6 +122,8 @@ def measure(quick: bool, prefix_handles: bool) -> dict:
         "xlong_gateway_rss_growth_mb": rss_growth / 2**20,
         "xlong_gateway_tito_bytes_per_token": tito_bytes / max(1, unique),
         "xlong_gateway_tail_parses": stats.get("gateway/chat_tail_parses", 0),
+        # inputs built on a worker thread (a branch past OFFLOAD_TOKENS; 0 for a linear one)
+        "xlong_gateway_builds_off_loop": stats.get("gateway/builds_off_loop", 0),
         # what the session's own state holds (call index, spine, body memo, ids JSON)
         "xlong_gateway_held_bytes_per_token": stats.get("gateway/session_bytes", 0)
         / max(1, unique),

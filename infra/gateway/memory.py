@@ -18,9 +18,10 @@ set grew ~80 MB where its sessions held ~9 MB, in two steps at the first TITO fl
 its top, above the ~1 MB a call's body parts need, so they are reused without page faults
 (a 128 KB trim threshold, glibc's default once the mmap threshold is set, re-faulted ~5 MB a
 call at 1M tokens). `ReleasingStore` collects the flush thread's Arrow heap after each
-segment. Measured
-(bench/xlong_gateway.py, 1M tokens): the process grew 18 B per context token where it grew
-45 with warm imports alone and 89 before, for 8.6 the session holds.
+segment. Measured (bench/xlong_gateway.py, 1.01M tokens, 2026-12-03): the process grew 17.6-17.9 B
+per context token (77.5 before, 30 with Arrow collected from the event loop instead), of
+which the session holds 8.6; most of the rest is the event loop thread's glibc arena
+(~8 MB at 1M: its per-call buffers among the session's small long-lived objects).
 
 Process-wide settings, as the engine's `return_large_frees_to_os` is: they are what every
 thread of the gateway's process gets (in `gyre run`, the driver's).

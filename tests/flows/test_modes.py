@@ -91,7 +91,9 @@ def test_mode_end_to_end(prefect_harness, tmp_path, mode):
         assert all(r["n_members"] == 3 for r in rows) and summary["lag_max"] == 0
     if mode == "async":
         assert summary["switches"] == 0 and summary["lag_max"] <= 1
-    if mode.startswith("elastic"):  # joins and leaves of the DP group: tests/infra/cells/test_ledger_dp.py
+    if mode.startswith(
+        "elastic"
+    ):  # joins and leaves of the DP group: tests/infra/cells/test_ledger_dp.py
         assert summary["switches"] > 0 and summary["lag_max"] <= 1
     if mode == "elastic-fsdp":
         # sharded over a changing member set: some step had more than one member, and

@@ -55,12 +55,25 @@ def _deploy(api: str) -> None:
 
 
 def _trigger(api: str, deployment_id: str, parameters: dict) -> str:
-    """What the UI's Run button does: create a flow run of the deployment."""
-    r = httpx.post(
-        f"{api}/deployments/{deployment_id}/create_flow_run",
-        json={"parameters": parameters, "state": {"type": "SCHEDULED", "message": "Run button"}},
-        timeout=30,
-    )
+    """What the UI's Run button does: create a flow run of the deployment.
+
+    A 503 is Prefect's word for "retry" (its SQLite was locked by another writer: CI's slow pass
+    shares one harness database across tests); the UI retries, as Prefect's own client does
+    (PREFECT_CLIENT_MAX_RETRIES), so this does too, a few times with backoff. The insert is
+    rolled back on a 503, so a retry never makes a second flow run.
+    """
+    for attempt in range(6):
+        r = httpx.post(
+            f"{api}/deployments/{deployment_id}/create_flow_run",
+            json={
+                "parameters": parameters,
+                "state": {"type": "SCHEDULED", "message": "Run button"},
+            },
+            timeout=30,
+        )
+        if r.status_code != 503 or attempt == 5:
+            break
+        time.sleep(2**attempt)
     r.raise_for_status()
     return r.json()["id"]
 
@@ -68,7 +81,13 @@ def _trigger(api: str, deployment_id: str, parameters: dict) -> str:
 def _wait_done(api: str, flow_run_id: str, worker: subprocess.Popen, log: Path) -> dict:
     deadline = time.monotonic() + 600
     while True:
-        run = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=30).json()
+        r = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=30)
+        if r.status_code == 503:  # Prefect's "retry" (its database busy): poll again
+            assert time.monotonic() < deadline, f"503 after 600s: {log.read_text()[-5000:]}"
+            time.sleep(1)
+            continue
+        r.raise_for_status()
+        run = r.json()
         state = (run.get("state") or {}).get("type")
         if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             assert state == "COMPLETED", f"{state}: {log.read_text()[-5000:]}"

@@ -326,6 +326,21 @@ def _port(text: str) -> int:
     return port
 
 
+def _body_mb(text: str) -> int:
+    """A body cap in MiB for argparse: the range of ``gateway.max_body_mb``."""
+    from infra.gateway.config import GatewayConfig  # pydantic only: light
+
+    field = GatewayConfig.model_fields["max_body_mb"]
+    lo, hi = (next(getattr(m, a) for m in field.metadata if hasattr(m, a)) for a in ("ge", "le"))
+    try:
+        mb = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
+    if not lo <= mb <= hi:
+        raise argparse.ArgumentTypeError(f"{mb} MiB is outside {lo}-{hi}")
+    return mb
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flows.config import PRESETS, preset_help  # pure and light: pydantic + the sections
 
@@ -389,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-id",
         help="run id of the served calls (default 'serve'; the same store and run id "
         "continue the same run: its log is replayed and its session keys stay valid)",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=_body_mb,
+        default=None,
+        help="refuse (413, unread) a request body larger than this many MiB (default 64: a "
+        "~2M-token conversation; the gateway.max_body_mb setting of a run)",
     )
     s.set_defaults(fn=cmd_serve)
 

@@ -257,6 +257,7 @@ def _run(
             engine_token=token,
             host=host,
             port=cfg.gateway.port,
+            max_body_bytes=cfg.gateway.max_body_mb << 20,
             spool_dir=str(spool),
         ) as made_gateway,
         start_cells(

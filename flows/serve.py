@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -185,7 +186,13 @@ def _preflight(model: str | None, port: int) -> None:
         raise ServeError("; ".join(problems))
 
 
-def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> int:
+def serve(
+    model: str | None,
+    store_url: str,
+    port: int,
+    run_id: str | None,
+    max_body_mb: int | None = None,
+) -> int:
     _preflight(model, port)
     from storage.lease import Lease
     from storage.store import Store
@@ -199,7 +206,7 @@ def serve(model: str | None, store_url: str, port: int, run_id: str | None) -> i
     store = Store(store_url)
     # one writer per run: a second `gyre serve` (or a `gyre run`) of this run id is refused
     with Lease(store, run_id, f"gyre serve (port {port})", on_lost=stop.set):
-        return _serve(model, store, port, run_id, stop)
+        return _serve(model, store, port, run_id, stop, max_body_mb)
 
 
 def served_version(store, run_id: str, engine, model_dir: str) -> int:
@@ -238,27 +245,46 @@ def _digest_of(ckpt_dir: str, dtype: str) -> str:
     return weights_digest(model)
 
 
-def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Event) -> int:
-    """The server's life, while this process holds the run's lease."""
+def _serve(
+    model: str | None,
+    store,
+    port: int,
+    run_id: str,
+    stop: threading.Event,
+    max_body_mb: int | None = None,
+) -> int:
+    """The server's life, while this process holds the run's lease. Each phase before the
+    banner says what it does and how long it took (under load the imports and the weights
+    take a minute: the log is never silent meanwhile)."""
     import secrets
 
+    t0 = time.monotonic()
+
+    def say(what: str) -> None:
+        print(f"gyre serve: {what} ({time.monotonic() - t0:.1f}s)", flush=True)
+
+    say("importing torch and transformers")
     from infra.engine.engine import Engine
     from infra.engine.server import EngineServer
     from infra.engine.tiny_model import make_tiny_model
+    from infra.gateway.core import MAX_BODY_BYTES
     from infra.gateway.gateway import Gateway
     from storage.checkpoints import publish_checkpoint, put_digest, versions
 
     model_dir = model or make_tiny_model()
-    print(f"gyre serve: loading {model_dir}", flush=True)
+    say(f"loading {model_dir}")
     engine = Engine(model_dir, cell_id="serve")
     if not versions(store, run_id):  # the run's v0: the tokenizer its tokens decode with,
+        say(f"publishing it as run {run_id}'s v0 in {store.url}")
         publish_checkpoint(store, run_id, model_dir, 0)  # and where --from-served starts
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
         put_digest(store, run_id, 0, engine.weights_digest(), dtype)
+    say("matching its weights to the run's versions (digest)")
     engine.name_version(served_version(store, run_id, engine, model_dir))
     server = EngineServer(engine)
     token = secrets.token_urlsafe(24)
     spool = spool_dir(store.url, run_id)
+    say(f"starting the gateway (tokenizer, replay of {spool})")
     gw = Gateway(
         store,
         run_id=run_id,
@@ -266,6 +292,7 @@ def _serve(model: str | None, store, port: int, run_id: str, stop: threading.Eve
         admin_token=token,
         port=port,
         spool_dir=str(spool),
+        max_body_bytes=MAX_BODY_BYTES if max_body_mb is None else max_body_mb << 20,
     )
     rec = None
     try:
@@ -346,7 +373,7 @@ def main_serve(args) -> int:
     from storage.lease import LeaseHeld
 
     try:
-        return serve(args.model, args.store, args.port, args.run_id)
+        return serve(args.model, args.store, args.port, args.run_id, args.max_body_mb)
     except (ServeError, LeaseHeld) as exc:
         print(f"gyre serve: {exc}", file=sys.stderr)
         return 2

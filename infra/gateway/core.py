@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from infra.engine_api.client import EngineError
 from infra.gateway.chat import ChatTokenizer, SessionCalls
+from infra.gateway.config import GatewayConfig
 from infra.gateway.memory import ReleasingStore, bound_allocators, warm_tito_writer
 from infra.gateway.pipeline import CallPipeline
 from infra.gateway.responses import restore as restore_responses
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 # 6-byte escape (~9-12 bytes a token of CJK text), tool-call arguments are JSON inside JSON
 # (escaped twice), so a legitimate 2M-token body reaches ~30 MB. 64 MiB leaves twice that, and
 # costs the gateway ~0.1-0.5 s of parsing (off the event loop) and a few hundred MB at most.
-MAX_BODY_BYTES = 64 << 20
+# `gateway.max_body_mb` (a run) and `gyre serve --max-body-mb` set it.
+MAX_BODY_BYTES = GatewayConfig().max_body_mb << 20
 
 
 class GatewayCore:

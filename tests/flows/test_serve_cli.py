@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.integration
 GYRE = [sys.executable, "-m", "flows.cli"]  # the console script, from this venv
 
 
-def _serve(env: dict, store: str, port: int, **popen) -> subprocess.Popen:
+def _serve(env: dict, store: str, port: int, *extra: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(
-        [*GYRE, "serve", "--store", store, "--port", str(port)],
+        [*GYRE, "serve", "--store", store, "--port", str(port), *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -75,7 +76,7 @@ def test_serve_session_chat_then_sql(tmp_path, free_port, env):
     store = str(tmp_path / "store")
     port = free_port()
     record = tmp_path / "cache" / "serve" / f"{port}.json"
-    proc = _serve(env, store, port)
+    proc = _serve(env, store, port, "--max-body-mb", "1")
     try:
         _wait_up(proc, record)
         assert oct(record.stat().st_mode & 0o777) == "0o600"  # it holds the admin token
@@ -83,6 +84,17 @@ def test_serve_session_chat_then_sql(tmp_path, free_port, env):
         assert sess["base_url"] == f"http://127.0.0.1:{port}/v1"
         r = _chat(sess)
         assert r.choices[0].finish_reason in ("stop", "length")
+        # --max-body-mb 1: a 1.5 MiB body is refused unread, and nothing is recorded
+        big = httpx.post(
+            sess["base_url"] + "/chat/completions",
+            content=b'{"model": "gyre", "messages": [{"role": "user", "content": "'
+            + b"x" * (3 << 19)
+            + b'"}]}',
+            headers={"Authorization": f"Bearer {sess['api_key']}",
+                     "content-type": "application/json"},
+            timeout=60,
+        )  # fmt: skip
+        assert big.status_code == 413, big.text
         bad = openai.OpenAI(base_url=sess["base_url"], api_key="not-a-key", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model="gyre", messages=[{"role": "user", "content": "x"}])
@@ -97,6 +109,10 @@ def test_serve_session_chat_then_sql(tmp_path, free_port, env):
         proc.send_signal(signal.SIGINT)
         banner = proc.communicate(timeout=60)[0]
     assert "base URL" in banner and "gyre session new" in banner
+    # never silent before the banner: each phase is named, in order, with its time
+    phases = ["importing torch", "loading ", "matching its weights", "starting the gateway"]
+    at = [banner.find(f"gyre serve: {p}") for p in phases]
+    assert min(at) >= 0 and at == sorted(at) and at[-1] < banner.find("base URL"), banner
     assert not record.exists()
     rows = _tito_rows(store)
     assert len(rows) == 1 and rows[0]["request_id"] == r.id

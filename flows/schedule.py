@@ -33,6 +33,7 @@ from flows.evaluation import HeldOut
 from flows.procs import check_stop, stop_points
 from flows.progress import Progress
 from flows.report import write_report
+from flows.submits import PROCESS, ROLLOUT, STEP, PendingJob, Submits
 from infra.cells.executor import EngineSpec, Executor
 from storage.store import Store
 from tasks.env.heldout import train_task_seed
@@ -59,27 +60,6 @@ log = logging.getLogger(__name__)
 
 CLOCK_SKEW_NS = 300 * 10**9
 STOP_DRAIN_S = 10.0  # after Ctrl-C: how long rollouts get to end at their next step
-
-
-class _Job:
-    """A Prefect future on Dask, seen through the executor's ``Job`` verbs."""
-
-    def __init__(self, future):
-        self.future = future
-        self._dask = future.wrapped_future
-        self.key = self._dask.key
-
-    def done(self) -> bool:
-        return self._dask.done()
-
-    def cancel(self) -> None:
-        self._dask.cancel()
-
-    def result(self) -> Any:
-        return self.future.result()
-
-    def add_done_callback(self, fn) -> None:
-        self._dask.add_done_callback(lambda _f: fn())
 
 
 class PrefectWork:
@@ -112,6 +92,12 @@ class PrefectWork:
             tick_s=sc.tick_s,
         )
         self.durations = Durations(self.workload, sc.seed) if self.workload else None
+        # the submits, off the loop's thread, in the flow run's context (flows/submits.py)
+        self.submits = Submits()
+
+    def close(self) -> None:
+        """The submits already asked for are made, then their thread ends."""
+        self.submits.close()
 
     def spec(self, index: int, cell_id: str | None = None) -> GroupSpec:
         r = self.cfg.rollout
@@ -153,10 +139,12 @@ class PrefectWork:
         """The gateway's group id of the executor's group ``index``."""
         return f"g{index + self.first_group}"
 
-    def rollout(self, index: int, cell_id: str) -> _Job:
+    def rollout(self, index: int, cell_id: str) -> PendingJob:
         self.since[index] = time.time_ns() - CLOCK_SKEW_NS
-        with dask.annotate(resources={"harness": 1}):
-            fut = rollout_group.submit(
+        with dask.annotate(resources={"harness": 1}):  # the submit's context carries it
+            return self.submits.submit(
+                ROLLOUT,
+                rollout_group.submit,
                 self.gateway.url,
                 admin_token_variable(self.run_id),  # the token itself never is a parameter
                 self.store,
@@ -165,9 +153,10 @@ class PrefectWork:
                 self.cfg.rollout,
                 self.stop_event,
             )
-        return _Job(fut)
 
-    def process(self, index: int, sessions, version: int, workers: tuple[str, ...] = ()) -> _Job:
+    def process(
+        self, index: int, sessions, version: int, workers: tuple[str, ...] = ()
+    ) -> PendingJob:
         """Processing of group ``index`` on one of ``workers`` (the executor's steady rollout
         cells, ``Executor.process_addrs``); loose: where none of them is up, Dask runs it on
         any cell rather than wait (``allow_other_workers`` counts only workers that are gone,
@@ -180,7 +169,9 @@ class PrefectWork:
             else contextlib.nullcontext()
         )
         with where:
-            fut = process_group.submit(
+            job = self.submits.submit(
+                PROCESS,
+                process_group.submit,
                 self.store,
                 self.run_id,
                 group,
@@ -193,17 +184,19 @@ class PrefectWork:
         self.failures.add(sessions)
         if self.failures.error is not None:  # the run stops at this tick (the loop checks)
             try:  # this group's rollouts rows, with every session's reason, reach the store
-                fut.result(timeout=120)
+                job.result(timeout=120)
             except Exception as exc:
                 log.warning("processing the failed group g%d: %s", group, exc)
-        return _Job(fut)
+        return job
 
-    def step(self, plan: StepPlan) -> list[_Job]:
+    def step(self, plan: StepPlan) -> list[PendingJob]:
         s = self.cfg.scheduler
         jobs = []
         for rank, addr in enumerate(plan.workers):
             with dask.annotate(resources={"train": 1}, workers=[addr], allow_other_workers=False):
-                fut = train_member.submit(
+                job = self.submits.submit(
+                    STEP,
+                    train_member.submit,
                     self.store,
                     self.run_id,
                     plan,
@@ -214,7 +207,7 @@ class PrefectWork:
                     s.dp_backend,
                     s.mode,
                 )
-            jobs.append(_Job(fut))
+            jobs.append(job)
         return jobs
 
 
@@ -370,6 +363,7 @@ def schedule(
             logger.exception("the final held-out evaluation failed")
         finally:
             ex.close()
+            work.close()
             try:  # no use once the run's gateway stops: leave none behind on the scheduler
                 token.delete()
             except Exception as exc:
@@ -386,6 +380,7 @@ def schedule(
         "group_times": [(g.index, g.t_start, g.t_rollout, g.t_done) for g in ex.groups.values()],
         "timeline": list(ex.timeline),  # role changes and steps per cell (bench/modes.py)
         "stats": ex.stats,
+        "submits": work.submits.stats.as_dict(),  # Prefect submits, off the loop's thread
         "decisions": decisions,
         "report": report,
         "last_step": getattr(ex, "last_step", None),

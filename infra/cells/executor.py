@@ -25,8 +25,9 @@ simulation (dask's adaptive core and worker state machine work the same way):
 Control-plane actions run on a small thread pool so the loop never blocks on a drain or a
 weight load, and the parts of one role change that need not wait for each other run beside
 each other (``together``: the gateway's withdrawal and the Dask role, the engine's load and
-leaving the DP group); units of work are started on the caller's thread (Prefect submits
-need the flow's context), processing on the steady rollout cells (``process_addrs``). Every
+leaving the DP group). Units of work are asked for through the ``Work`` port, which hands
+back a ``Job`` at once (the flow's port makes its Prefect submits on a thread of its own:
+flows/submits.py); processing goes to the steady rollout cells (``process_addrs``). Every
 decision and role change is a ``cells`` row with its reason and its measured costs, written
 off the loop in order (infra/cells/cells_log.py); every wait has a bound and its error names
 what it waited for. ``Stats.loop_s`` is the loop's own time per decision and event kind.

@@ -40,6 +40,7 @@ def test_long_preset_is_one_untruncated_path_per_session():
 @pytest.mark.slow
 @pytest.mark.xlong  # the best part of an hour on 2 CPU cores: not in make test-slow (see the marker)
 @pytest.mark.integration
+@pytest.mark.timeout(5700)  # the run's own bound (5400 s) first: pytest's 600 s cut it at 10 min
 def test_gyre_run_preset_long_trains_whole_100k_rollouts(tmp_path):
     store, run_id = tmp_path / "store", "long-e2e"
     env = {

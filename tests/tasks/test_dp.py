@@ -28,6 +28,7 @@ import torch
 
 from tasks.train import dp
 from tests.models import micro_config
+from tests.tasks import dp_members
 
 pytestmark = pytest.mark.integration
 
@@ -215,4 +216,42 @@ def test_a_member_whose_formation_failed_meets_a_fresh_joiner():
     for p in procs:
         p.join(timeout=30)
     assert got == {0: 2.0, 1: 2.0}, got
+    del store
+
+
+def test_each_generation_meets_under_keys_of_its_own():
+    """Two members form generation 0, then generation 1 with their ranks swapped, one of
+    them late: the early one must wait for its peer's generation-1 keys, never take the
+    stale generation-0 address its peer left in the store (a group formed on it never
+    meets: the step fails at the timeout). The store grows by a generation's worth of
+    keys each time: no key of generation 0 is written again by generation 1."""
+    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    inboxes = [ctx.Queue(), ctx.Queue()]
+    procs = [
+        ctx.Process(target=dp_members.generations, args=(q, out), daemon=True) for q in inboxes
+    ]
+    for p in procs:
+        p.start()
+    sizes = [store.num_keys()]
+    try:
+        # (generation, {member: (rank, delay s)})
+        plan = [(0, {0: (0, 0.0), 1: (1, 0.0)}), (1, {0: (1, 0.0), 1: (0, 3.0)})]
+        for gen, members in plan:
+            for m, (rank, delay) in members.items():
+                inboxes[m].put((dp.Rendezvous("127.0.0.1", port, gen, rank, 2), delay))
+            got = sorted(out.get(timeout=120) for _ in members)
+            assert all(g != -1 for g, _, _ in got), got
+            assert got == [(gen, 0, 3.0), (gen, 1, 3.0)], got
+            sizes.append(store.num_keys())
+    finally:
+        for q in inboxes:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    first, second = sizes[1] - sizes[0], sizes[2] - sizes[1]
+    assert first > 0 and second == first, sizes  # fresh keys, as many as the first time
     del store

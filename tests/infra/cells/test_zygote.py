@@ -5,6 +5,7 @@ test runs a small script in a process of its own, as `gyre run` starts it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -212,3 +213,57 @@ def test_a_dead_zygote_gives_way_to_a_fresh_fork_server(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0 and "RESULT fresh" in proc.stdout, proc.stderr[-3000:]
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import json, multiprocessing, time
+
+    from infra.cells.zygote import start_zygote
+
+    if __name__ == "__main__":
+        zpid = start_zygote(())
+        # a process forked from the zygote, as a cell is: it holds the fork server's "alive"
+        # pipe, so the zygote's end cannot come from the pipe alone
+        cell = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(120,))
+        cell.start()
+        print("RESULT " + json.dumps({"zygote": zpid, "cell": cell.pid}), flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_zygote_dies_with_a_sigkilled_run(tmp_path):
+    """The run's process SIGKILLed (no handler, no cleanup runs): its zygote goes too, even
+    while a cell forked from it lives on, instead of serving forks for nobody."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    pids: dict[str, int] = {}
+    try:
+        line = run.stdout.readline()
+        assert line.startswith("RESULT "), line
+        pids = json.loads(line[len("RESULT ") :])
+        assert not _gone(pids["zygote"]) and not _gone(pids["cell"])
+        run.kill()
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 30  # wide: a loaded host; it takes well under a second
+        while not _gone(pids["zygote"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(pids["zygote"]), "the zygote outlived the SIGKILLed run"
+        assert not _gone(pids["cell"])  # what held it; the zygote went on its own
+    finally:
+        run.kill()
+        for pid in pids.values():
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

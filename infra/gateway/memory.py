@@ -20,17 +20,8 @@ its top, above the ~1 MB a call's body parts need, so they are reused without pa
 call at 1M tokens). `ReleasingStore` collects the flush thread's Arrow heap after each
 segment. Measured (bench/xlong_gateway.py, 1.01M tokens, 2026-12-03): the process grew 17.6-17.9 B
 per context token (77.5 before, 30 with Arrow collected from the event loop instead), of
-which the session holds 8.6; the rest was mostly glibc arenas' kept free blocks (below).
-
-One arena (``ARENA_MAX``). glibc gives each thread that mallocs while another holds the
-lock an arena of its own (up to 8 per core), and each keeps its own high-water mark: the
-threads that parse big bodies and tokenize off the event loop, and the flush thread, each
-held a few MB of freed per-call buffers among long-lived blocks, which ``malloc_trim`` does
-not give back (tried: 16.9 B per token with it, 16.3-16.5 without). With one arena they reuse
-the same free blocks: 13.3 and 15.8 B per token at 1.01M in two runs (2026-12-04), per-call
-CPU unchanged (1M/10K 0.90-0.99; small objects come from Python's own allocator, so the one
-lock is rarely contended). Measured with tracemalloc at 1.01M: 9.1 MB of Python allocations
-(the spine's ids 4 MB, the body memo's rope 2.9 MB, the index ~2 MB), the rest native.
+which the session holds 8.6; most of the rest is the event loop thread's glibc arena
+(~8 MB at 1M: its per-call buffers among the session's small long-lived objects).
 
 Process-wide settings, as the engine's `return_large_frees_to_os` is: they are what every
 thread of the gateway's process gets (in `gyre run`, the driver's).
@@ -51,22 +42,19 @@ from storage.tito_log import records_to_table
 
 MMAP_THRESHOLD = 1 << 20  # bytes: a buffer this large is mapped on its own
 TRIM_THRESHOLD = 2 << 20  # bytes: free heap top kept (above a call's ~1 MB of body parts)
-ARENA_MAX = 1  # glibc arenas made from now on: the threads that parse and flush share one
 
 
 def bound_allocators() -> bool:
-    """Arrow on glibc's allocator, glibc with fixed mmap and trim thresholds and one arena
-    for the threads made from now on (module doc).
+    """Arrow on glibc's allocator, glibc with fixed mmap and trim thresholds (module doc).
     False where there is no glibc (Arrow's pool is left as it is then too)."""
     name = ctypes.util.find_library("c")
     if not name:
         return False
     try:
         libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # malloc.h
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
         ok = libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) == 1
         ok = ok and libc.mallopt(m_trim_threshold, TRIM_THRESHOLD) == 1
-        ok = ok and libc.mallopt(m_arena_max, ARENA_MAX) == 1
     except (OSError, AttributeError):
         return False
     return ok

@@ -64,46 +64,6 @@ def test_a_freed_two_megabyte_buffer_is_unmapped():
     assert int(got) >= 38
 
 
-_ARENAS = """
-    import ctypes, ctypes.util, os, tempfile, threading
-    from infra.gateway.memory import bound_allocators
-    if BOUND:
-        assert bound_allocators()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    def heaps():
-        path = os.path.join(tempfile.mkdtemp(), "info.xml")
-        fp = libc.fopen(path.encode(), b"w")
-        libc.malloc_info(0, fp)
-        libc.fclose(fp)
-        return open(path).read().count("<heap nr=")
-    before = heaps()  # the imports' own threads (Arrow's, BLAS's) may have made some
-    go = threading.Barrier(5)
-    def worker():  # a body part's buffer on each of 4 threads at once (above pymalloc's 512 B)
-        go.wait()
-        buf = bytearray(300 << 10)
-        go.wait()
-        del buf
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    go.wait(); go.wait()
-    for t in threads:
-        t.join()
-    print(heaps() - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_threads_made_after_the_settings_share_one_arena():
-    """Each thread's own arena kept its own freed body buffers (module doc): one arena."""
-    assert int(_run(_ARENAS.replace("BOUND", "True"))) == 0  # arenas made by the 4 threads
-    assert int(_run(_ARENAS.replace("BOUND", "False"))) >= 2  # what glibc does without
-
-
 _FLUSHES = """
     import queue, tempfile, threading
     import pyarrow as pa

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gyre-installed
 
-.PHONY: demo test test-slow test-slow-ci test-xlong lint format bench install clean
+.PHONY: demo test test-slow test-slow-ci test-xlong lint format bench mutation install clean
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3 ...)"; exit 1; }
@@ -59,6 +59,11 @@ test-xlong: $(STAMP)
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done
+
+# generated mutants (mutmut) over the seam modules, each against its fast tests: killed /
+# survived / timeout per module (bench/mutation.py; ~1 h on 2 cores at 30 mutants a module). Not CI.
+mutation: $(STAMP)
+	nice -n 10 $(BIN)/python bench/mutation.py --json bench-results/mutation-generated.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache gyre-data

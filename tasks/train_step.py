@@ -470,7 +470,7 @@ def member_on_cell(
     return member_step(store, run_id, plan, rank, cfg, holder=this_cell(), **kw)
 
 
-@task(name="train-member", task_run_name="train-step-{plan.step}-r{rank}")
+@task(name="train-member", task_run_name="train-step-{plan.step}-g{plan.generation}-r{rank}")
 def train_member(
     store: Store,
     run_id: str,

@@ -4,8 +4,9 @@ A cell whose worker process dies is *lost*: the gateway stops routing to its eng
 sessions' next calls re-prefill on another cell), a step it was in is aborted (the DP
 rendezvous is replaced so the survivors stop at once) and an action on it waits for the
 cell to heal. The worker the cluster gains next (the nanny restarts a killed worker) takes
-the lost cell's place and role: a rollout cell's engine starts with the newest weights
-before the gateway routes to it. The aborted step is then retried, the same step on the
+the lost cell's place and role once it has imported what its cell preloads (no step forms a
+group with a cell still importing torch), and a rollout cell's engine starts with the newest
+weights before the gateway routes to it. The aborted step is then retried, the same step on the
 same samples from the same version, unless it committed before the loss
 (storage/commits.py). Rollout and processing tasks that died with a worker are rerun by
 Dask; each has a deadline, and one that no cell can take (Dask's ``no-worker``) for longer
@@ -17,12 +18,14 @@ than a heal stops the run.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infra.cells.cluster import ROLES, CellLost
+from infra.cells.membership import Observed
 from storage.checkpoints import read_commit
 from storage.commits import roll_forward
 from tasks.sched.coordinator import Event
@@ -35,6 +38,16 @@ LOST_REASON = (
     "cell lost: its rollout task died with its cell (placed on {cell}); the group was rolled "
     "out again as new sessions, this one is never trained on"
 )
+
+
+def preloaded(plugin: Any) -> None:
+    """On a cell: return once the modules its plugin preloads are imported (a module that
+    another thread is importing is waited for; one that fails fails again where used)."""
+    for name in getattr(plugin, "preload", ()):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            log.debug("cell preload %s: %s", name, exc)
 
 
 class ExecutorError(RuntimeError):
@@ -67,13 +80,7 @@ class Healing:
         except Exception as exc:  # the scheduler is unreachable: say so, try again next tick
             log.warning("cannot list the cluster's workers: %s", exc)
             return []
-        lost_addr = {i: self.addrs[i] for i in range(len(self.addrs))}
-        obs = self.membership.observe(alive, now)
-        for i in obs.lost:
-            self._on_lost(i, lost_addr[i])
-        for i, addr in obs.heal:
-            log.warning("cell %d: worker %s takes the place of %s", i, addr, self.lost_addr[i])
-            self._pool.submit(self._guard_heal, i, addr)
+        obs = self._observe(alive, now)
         if obs.overdue:
             i, t = obs.overdue[0]
             raise ExecutorError(
@@ -98,6 +105,19 @@ class Healing:
                     f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
                 )
         return self._maybe_retry_step(now)
+
+    def _observe(self, alive: set[str], now: float) -> Observed:
+        """What the workers ``alive`` mean for the cells, carried out: each lost cell is
+        recorded and its step aborted (`_on_lost`), each spare bound takes a lost cell's
+        place (`_heal`, on the pool)."""
+        lost_addr = {i: self.addrs[i] for i in range(len(self.addrs))}
+        obs = self.membership.observe(alive, now)
+        for i in obs.lost:
+            self._on_lost(i, lost_addr[i])
+        for i, addr in obs.heal:
+            log.warning("cell %d: worker %s takes the place of %s", i, addr, self.lost_addr[i])
+            self._pool.submit(self._guard_heal, i, addr)
+        return obs
 
     def _check_unrunnable(self, now: float) -> None:
         """A rollout or processing task that no live cell can take (Dask's ``no-worker``:
@@ -179,6 +199,13 @@ class Healing:
         is finished by the action itself, which waits for this."""
         old = self.lost_addr[i]
         self.cells.rebind(old, addr)
+        # a restarted worker imports torch, transformers and the tasks in the background
+        # (10-60 s on a loaded host); it takes its role once they are in: the members of a
+        # step it joins would otherwise wait for it at the DP rendezvous, whose timeout
+        # does not know about imports (a 2-member retry failed so: issue 27)
+        t0 = time.monotonic()
+        self.cells.run_on(addr, preloaded)
+        warm_s = time.monotonic() - t0
         self.engine_url.pop(i, None)
         self.engine_version.pop(i, None)
         self.routed.discard(i)
@@ -190,7 +217,9 @@ class Healing:
         if role == "train":
             self.dp_left = True  # the next step forms a new group with the newcomer
         self.membership.healed(i)
-        self.record(i, "rejoin", role, f"worker {old} was lost", f"worker {addr}")
+        self.record(
+            i, "rejoin", role, f"worker {old} was lost", f"worker {addr}", {"wait_s": warm_s}
+        )
         self._q.put(("healed", i))
 
     def _mark_lost_sessions(self, handles: list[Any]) -> None:
@@ -230,7 +259,10 @@ class Healing:
     def _abort_step(self, why: str) -> None:
         """Stop the running step's attempt: cancel members that have not started, and
         replace the DP rendezvous so members waiting to meet fail at once (members inside
-        a collective fail when their peer's connection closes)."""
+        a collective fail when their peer's connection closes). Once per attempt: a loss
+        seen twice (a look at the workers, a member's failure) aborts it once."""
+        if self.step_retry is not None:
+            return
         plan = self.step_plan
         self.step_retry = (time.monotonic(), why)
         self.stats.step_retries += 1
@@ -303,6 +335,9 @@ class Healing:
             except Exception:
                 alive = set(self.addrs)
             if any(w not in alive for w in self.step_plan.workers):
+                # the loss is handled (recorded, the step aborted) as a look at the workers
+                # handles it, before the member's failure that revealed it
+                self._observe(alive, time.monotonic())
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -1,0 +1,8 @@
+"""A module that takes seconds to import, as torch and transformers do on a loaded host: a
+cell preloads it (tests/infra/cells/test_heal_step.py). ``DONE_AT``: when its import ended
+(wall clock)."""
+
+import time
+
+time.sleep(8.0)
+DONE_AT = time.time()

@@ -23,10 +23,17 @@ own test files, ``-m "not slow and not gpu"``, plus any ``tests/<area>/test_mut_
 written to kill survivors). A module's mutants are sampled (``--sample N`` of the whole set,
 a fixed seed, so reruns pick the same ones while the source is unchanged; ``--sample 0``:
 all). Per module it reports killed, survived, timeout (killed by the time limit: counted as
-killed), no tests (a mutated function no fast test reaches in the test process: counted as
-a survivor), and equivalent (survivors triaged as behaving the same as the code, EQUIVALENT
+killed), no tests (a mutated function no fast test reaches: counted as a survivor), and
+equivalent (survivors triaged as behaving the same as the code, EQUIVALENT
 with the reason: left out of the fraction). The fraction killed is (killed + timeout) /
 (sampled - equivalent - skipped).
+
+mutmut learns which tests reach a function from its trampoline in the test process, so a
+function only child processes run (a DP member, a cell, the zygote) is "no tests" to it
+though a test may well kill it there. Those mutants are run once more here against all of
+the module's fast tests, each in a fresh interpreter with ``MUTANT_UNDER_TEST`` set, which
+the children inherit (``--child-budget`` seconds per module, ``rerun_unreached``); what
+that leaves unreached is reported as "no tests".
 
     python bench/mutation.py                     # every seam module, 30 mutants each
     python bench/mutation.py --quick             # one small module, 12 mutants, < 1 min
@@ -110,7 +117,28 @@ QUICK = "infra/gateway/tool_prompt.py"
 # survivors triaged as equivalent: mutmut's key -> why no test can tell it from the code.
 # Keys are mutmut's (function + its number); they shift when the function's code changes,
 # and the bench then reports the mutant as survived again, to be triaged again.
-EQUIVALENT: dict[str, str] = {}
+_PROBE = "the self-check's probe data: the template's verdict is the same with it"
+_LOG = "log or internal message wording only (not behaviour; no test pins log text)"
+EQUIVALENT: dict[str, str] = {
+    "storage.lease.xǁ_Fileǁwrite__mutmut_53": _LOG
+    + ": a lost race's reason (retried, or logged in LeaseLost)",
+    "storage.transcripts.x_register__mutmut_18": "the UDF's return type dropped: DuckDB takes"
+    " it from detokenize's annotation (-> str), VARCHAR as given",
+    "storage.transcripts.x_register__mutmut_21": "the UDF named DETOKENIZE: DuckDB's function"
+    " names are case-insensitive, the views' detokenize(...) finds it",
+    "storage.checkpoints.x__cached_copy__mutmut_16": "the download directory's name prefix:"
+    " it is renamed into place or removed (finally) whatever its name, and no reader lists it",
+    "infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_41": _LOG
+    + ": an info line's argument dropped (logging reports it and goes on)",
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_cap__mutmut_7": "the cap check's probe text in"
+    " upper case: the same long and short tokens, the same verdict",
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_6": _PROBE,
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_76": _PROBE,
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_91": _PROBE,
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_117": _PROBE,
+    "infra.gateway.chat.xǁChatTokenizerǁ_render_template__mutmut_12": "tokenize=None: "
+    "transformers' apply_chat_template tests `if tokenize`, None renders as False does",
+}
 
 # mutmut's exit codes (mutmut/stats.py status_by_exit_code), folded into the bench's columns
 _STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no_tests", 33: "no_tests"}
@@ -147,6 +175,7 @@ class Row:
     sampled: int
     counts: dict[str, int] = field(default_factory=dict)
     survivors: dict[str, str] = field(default_factory=dict)  # key -> diff
+    rerun: int = 0  # "no tests" to mutmut, run here against all the module's tests
     seconds: float = 0.0
 
     @property
@@ -201,6 +230,7 @@ def to_json(rows: list[Row], wall: float) -> dict:
         out[f"{k}_total"] = r.total
         out[f"{k}_fraction"] = r.fraction
         out[f"{k}_seconds"] = r.seconds
+        out[f"{k}_rerun"] = r.rerun
     out["survivors"] = {r.module: r.survivors for r in rows}
     out["rows"] = [asdict(r) | {"fraction": r.fraction} for r in rows]
     return out
@@ -255,6 +285,61 @@ def _meta(work: Path, path: str) -> dict[str, int | None]:
     return json.loads((work / "mutants" / (path + ".meta")).read_text())["exit_code_by_key"]
 
 
+def _pytest(work: Path, env: dict, tests: list[str], mutant: str) -> subprocess.Popen:
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-m", FAST, "-W", "ignore", "--no-header"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", *tests, *args],
+        cwd=work / "mutants",
+        env=env | {"MUTANT_UNDER_TEST": mutant},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def rerun_unreached(
+    work: Path, env: dict, tests: list[str], keys: list[str], *, jobs: int, budget: float
+) -> dict[str, int]:
+    """mutmut runs a mutant only against the tests its trampoline saw reach the function in
+    the test process; a function that only child processes run (a DP member, a cell, the
+    zygote) is "no tests" to it. Each of ``keys`` is run here against all the module's tests
+    in a fresh interpreter with ``MUTANT_UNDER_TEST`` set, which its children inherit (the
+    trampoline reads it), ``jobs`` at a time, within ``budget`` seconds (the rest stay
+    "no tests"). Returns mutmut's exit codes: 1 killed, 0 survived, 36 timeout."""
+    t0 = time.monotonic()
+    base = _pytest(work, env, tests, "")
+    base.wait()
+    if base.returncode != 0:
+        print(f"  the unmutated copy fails {tests} (rc={base.returncode}): no rerun")
+        return {}
+    limit = 3 * (time.monotonic() - t0) + 30
+    out: dict[str, int] = {}
+    pending, active = list(keys), {}
+    try:
+        while pending or active:
+            while pending and len(active) < jobs and time.monotonic() - t0 < budget:
+                k = pending.pop(0)
+                active[k] = (_pytest(work, env, tests, k), time.monotonic())
+            if not active:
+                break
+            for k, (p, started) in list(active.items()):
+                if p.poll() is not None:
+                    out[k] = 0 if p.returncode == 0 else 1
+                elif time.monotonic() - started > limit:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    out[k] = 36
+                else:
+                    continue
+                del active[k]
+            time.sleep(0.1)
+    finally:
+        for p, _ in active.values():
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return out
+
+
 def run_module(
     path: str,
     *,
@@ -263,6 +348,7 @@ def run_module(
     seed: int,
     keep: Path | None,
     timeout: float,
+    child_budget: float = 0.0,
 ) -> Row:
     """Generate the module's mutants in a temporary copy, run a sample with mutmut, read its
     results; the copy is removed unless ``keep``."""
@@ -302,7 +388,13 @@ def run_module(
             print(
                 f"  {path}: mutmut ran none of its mutants:\n" + "\n".join(tail.splitlines()[-12:])
             )
+        unreached = [k for k in chosen if status_of(codes.get(k)) == "no_tests"]
+        rerun = {}
+        if unreached and child_budget > 0:
+            rerun = rerun_unreached(work, env, tests, unreached, jobs=jobs, budget=child_budget)
+            codes = codes | rerun
         row = classify(path, codes, chosen)
+        row.rerun = len(rerun)
         for key in chosen:
             if status_of(codes.get(key)) in ("survived", "no_tests") and key not in EQUIVALENT:
                 shown = subprocess.run(
@@ -325,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="mutants side by side (mutmut's children)")
     ap.add_argument("--seed", type=int, default=26)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds of mutmut per module")
+    ap.add_argument(
+        "--child-budget",
+        type=float,
+        default=300.0,
+        help="seconds per module to run mutmut's 'no tests' mutants against all its tests "
+        "(functions only child processes run; 0: report them as no tests)",
+    )
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", default=None, help="keep the copies, logs and mutants/ here")
     ap.add_argument("--survivors", action="store_true", help="print each survivor's diff")
@@ -342,12 +441,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in modules:
         row = run_module(
-            m, sample=sample, jobs=args.jobs, seed=args.seed, keep=keep, timeout=args.timeout
+            m,
+            sample=sample,
+            jobs=args.jobs,
+            seed=args.seed,
+            keep=keep,
+            timeout=args.timeout,
+            child_budget=args.child_budget,
         )
         rows.append(row)
         print(
             f"{m}: {row.counts.get('killed', 0) + row.counts.get('timeout', 0)}/{row.sampled} killed "
-            f"({100 * row.fraction:.0f}%) of {row.total} generated, {row.seconds:.0f} s",
+            f"({100 * row.fraction:.0f}%) of {row.total} generated ({row.rerun} unreached by mutmut "
+            f"rerun against all the module's tests), {row.seconds:.0f} s",
             flush=True,
         )
     wall = time.monotonic() - t0

@@ -311,6 +311,8 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
             # the scheduling loop's own seconds by decision / event kind (Stats.loop_s)
             "loop_s": {k: round(v, 3) for k, v in getattr(stats, "loop_s", {}).items()},
             "loop_n": dict(getattr(stats, "loop_n", {})),
+            # a group's end off the loop (Stats.off_loop_s): rollout_end, processed
+            "off_loop_s": {k: round(v, 3) for k, v in getattr(stats, "off_loop_s", {}).items()},
             # Prefect submits on their own thread: seconds, seconds queued, count per kind
             "submits": out.get("submits", {}),
         },

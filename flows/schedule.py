@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -81,6 +82,9 @@ class PrefectWork:
         self.total = first_group + cfg.train.steps * cfg.rollout.groups_per_step
         self.since: dict[int, int] = {}
         self.failures = FailedSessions(cfg.rollout)  # a broken agent stops the run
+        # the executor asks for processing off the loop: the loop checks the tally under
+        # this lock, so a failed group's rows are in the store before the run stops
+        self.failing = threading.Lock()
         sc = cfg.scheduler
         # paced by a workload file: group i lasts the file's rollout i, steps its step model
         self.workload = paced_workload(
@@ -181,12 +185,13 @@ class PrefectWork:
                 self.cfg.train,
                 self.since.pop(index, None),
             )
-        self.failures.add(sessions)
-        if self.failures.error is not None:  # the run stops at this tick (the loop checks)
-            try:  # this group's rollouts rows, with every session's reason, reach the store
-                job.result(timeout=120)
-            except Exception as exc:
-                log.warning("processing the failed group g%d: %s", group, exc)
+        with self.failing:
+            self.failures.add(sessions)
+            if self.failures.error is not None:  # the run stops at the loop's next check
+                try:  # this group's rollouts rows, with every session's reason, reach the store
+                    job.result(timeout=120)
+                except Exception as exc:
+                    log.warning("processing the failed group g%d: %s", group, exc)
         return job
 
     def step(self, plan: StepPlan) -> list[PendingJob]:
@@ -344,7 +349,8 @@ def schedule(
                 if (ex.stats.steps, work.failures.n_failed) != last_shown:
                     last_shown = show()  # a step, or a failed session (shown at once)
                 try:
-                    work.failures.check()  # a broken agent: the run stops, naming the reasons
+                    with work.failing:  # a broken agent: the run stops, naming the reasons
+                        work.failures.check()
                 except RolloutsFailed:
                     show()  # failures the tally took since the line was drawn
                     raise

@@ -5,10 +5,11 @@ quiet machine and 0.3-0.4 s on a loaded one (``PrefectDaskClient.submit`` serial
 flow run's settings context and walks the parameters, all holding the GIL; measured with
 cProfile on prefect 3.9). On the scheduling loop's thread, decisions and events waited
 behind every one of them. ``Submits`` makes them on one thread of its own, in the context
-of the flow run that created it (``contextvars.copy_context()``, as Prefect's own sync
-helpers hand context to threads), so the task runs are the flow's children in the UI as
-before, and hands back a ``PendingJob`` at once: the executor's ``Job`` verbs, pending until
-the submit has returned.
+of the flow run that created it (``contextvars.copy_context()`` on the flow's thread, as
+Prefect's own sync helpers hand context to threads) with the Dask annotations of the thread
+that asks (``dask.annotate``: resources, workers), so the task runs are the flow's children
+in the UI as before, whichever executor thread asks for them, and hands back a
+``PendingJob`` at once: the executor's ``Job`` verbs, pending until the submit has returned.
 
 One thread keeps the submit order: units of work of one kind are submitted in the order they
 were asked for (a cell's rollout groups in index order). Kinds have a priority
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+import dask
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +115,11 @@ class PendingJob:
 
 class Submits:
     """One thread that makes Prefect task submits in the creating thread's context (the
-    flow run's), in priority then request order; ``close`` ends it after the queue."""
+    flow run's: create it in the flow), in priority then request order; ``close`` ends it
+    after the queue."""
 
     def __init__(self) -> None:
+        self._ctx = contextvars.copy_context()  # the flow run's, tags, settings
         self.stats = SubmitStats()
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -122,21 +127,21 @@ class Submits:
         self._thread.start()
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> PendingJob:
-        """``fn(*args)`` (a Prefect ``task.submit``) on the submit thread, in a copy of the
-        caller's context (the flow run, tags, Dask annotations it has entered)."""
+        """``fn(*args)`` (a Prefect ``task.submit``) on the submit thread, in the flow run's
+        context, under the Dask annotations the calling thread has entered."""
         done: Future = Future()
-        ctx = contextvars.copy_context()
-        self._q.put((priority, next(self._seq), time.monotonic(), ctx, fn, args, done))
+        ann = dask.get_annotations()
+        self._q.put((priority, next(self._seq), time.monotonic(), ann, fn, args, done))
         return PendingJob(done)
 
     def _run(self) -> None:
         while True:
-            priority, _, t_asked, ctx, fn, args, done = self._q.get()
+            priority, _, t_asked, ann, fn, args, done = self._q.get()
             if fn is None:
                 return
             t0 = time.monotonic()
             try:
-                done.set_result(ctx.run(fn, *args))
+                done.set_result(self._ctx.copy().run(_annotated, ann, fn, args))
             except BaseException as exc:  # the executor sees it on the job (the run stops)
                 log.warning("a %s submit failed: %s", KIND[priority], exc)
                 done.set_exception(exc)
@@ -148,3 +153,10 @@ class Submits:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("Prefect submits still queued %.0f s after the run's end", timeout)
+
+
+def _annotated(ann: dict[str, Any], fn: Callable[..., Any], args: tuple) -> Any:
+    if not ann:
+        return fn(*args)
+    with dask.annotate(**ann):
+        return fn(*args)

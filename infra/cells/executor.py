@@ -27,10 +27,13 @@ weight load, and the parts of one role change that need not wait for each other 
 each other (``together``: the gateway's withdrawal and the Dask role, the engine's load and
 leaving the DP group). Units of work are asked for through the ``Work`` port, which hands
 back a ``Job`` at once (the flow's port makes its Prefect submits on a thread of its own:
-flows/submits.py); processing goes to the steady rollout cells (``process_addrs``). Every
+flows/submits.py); a group's end (its result, its sessions ended at the gateway, the store
+flushed, processing asked for) is handled off the loop too, in the order groups end, and
+processing goes to the steady rollout cells (``process_addrs``). Every
 decision and role change is a ``cells`` row with its reason and its measured costs, written
 off the loop in order (infra/cells/cells_log.py); every wait has a bound and its error names
-what it waited for. ``Stats.loop_s`` is the loop's own time per decision and event kind.
+what it waited for. ``Stats.loop_s`` is the loop's own time per decision and event kind,
+``Stats.off_loop_s`` what a group's end costs beside it.
 
 Faults (the coordinator never sees them): lost cells are healed, aborted steps retried and
 tasks that no cell can take stop the run; `infra.cells.healing` holds that part, and
@@ -48,7 +51,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -153,6 +156,10 @@ class Stats:
     # look at the workers (everything else it waits for comes back as an event)
     loop_s: dict[str, float] = field(default_factory=dict)
     loop_n: dict[str, int] = field(default_factory=dict)
+    # what a group's end costs off the loop: seconds per stage (``ended``: its rollout's
+    # result, its sessions ended, the store flushed, processing asked for; ``processed``:
+    # the processing result)
+    off_loop_s: dict[str, float] = field(default_factory=dict)
 
 
 class Executor(Healing):
@@ -251,6 +258,10 @@ class Executor(Healing):
         self._side = ThreadPoolExecutor(
             max_workers=2 + 2 * len(self.addrs), thread_name_prefix="gyre-exec-part"
         )
+        # a group's end, off the loop: one thread each for rollout ends (in the order they
+        # end: one flush at a time) and for processing results (in the order they end)
+        self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-exec-end")
+        self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-exec-result")
         self._moves = [0] * len(self.addrs)  # role changes decided per cell (processing)
         self.log = CellsLog(store, on_error=lambda exc: self._q.put(("error", "cells row", exc)))
         self._lock = threading.Lock()
@@ -328,8 +339,8 @@ class Executor(Healing):
         self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
             self.record(i, "leave", role, "run ended")
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._side.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._ends, self._results, self._pool, self._side):
+            pool.shutdown(wait=True, cancel_futures=True)
         # every row is in the store when the run reads it back; a store that is gone only
         # costs the rows (the run's own error says why), as the log's warning says
         if not self.log.close(timeout=60.0):
@@ -394,7 +405,7 @@ class Executor(Healing):
         self.groups[idx] = g
         g.job = self.work.rollout(idx, self.cell_id(cell))
         self.stats.groups_started += 1
-        g.job.add_done_callback(lambda idx=idx: self._q.put(("rollout", idx)))
+        g.job.add_done_callback(lambda idx=idx: self._off_loop(self._ends, self._ended, idx))
 
     def in_flight(self, cell: int | None = None) -> list[int]:
         return sorted(
@@ -417,26 +428,52 @@ class Executor(Healing):
         lost = {i for i in range(len(self.addrs)) if self.membership.is_lost(i)}
         return tuple(self.addrs[i] for i in steady_cells(self.roles, busy, lost, self._moves))
 
+    def _off_loop(self, pool: ThreadPoolExecutor, fn: Callable[[int], None], idx: int) -> None:
+        """A job's done callback (on Dask's or the submit thread): ``fn(idx)`` on ``pool``;
+        an error in it reaches the loop, which raises it as it is (the run stops)."""
+
+        def stage() -> None:
+            t0 = time.monotonic()
+            try:
+                fn(idx)
+            except BaseException as exc:
+                self._q.put(("raise", exc))
+            finally:
+                with self._lock:
+                    k = fn.__name__.strip("_")
+                    off = self.stats.off_loop_s
+                    off[k] = off.get(k, 0.0) + time.monotonic() - t0
+
+        with suppress(RuntimeError):  # the executor is closing: nothing waits for it now
+            pool.submit(stage)
+
+    def _ended(self, idx: int) -> None:
+        """Group ``idx``'s rollout task ended (off the loop, in end order): its sessions end
+        at the gateway, its calls are flushed to the store, its processing is asked for;
+        the loop hears of the group when its processing is done."""
+        g = self.groups[idx]
+        g.sessions = g.job.result()  # a failed task raises here: the run stops with it
+        g.t_rollout = time.time()
+        for h in g.sessions:  # no KV moves for sessions that are over
+            self.gateway.end_session(h.session_id)
+        self.gateway.flush()  # every answered call is in the store before processing
+        self._mark_lost_sessions(g.sessions)
+        job = self.work.process(g.index, g.sessions, self.version, workers=self.process_addrs())
+        g.deadline = time.monotonic() + self.job_timeout_s
+        g.phase, g.job = "process", job
+        job.add_done_callback(lambda: self._off_loop(self._results, self._processed, idx))
+
+    def _processed(self, idx: int) -> None:
+        """Group ``idx``'s processing ended (off the loop): its result, to the loop."""
+        self._q.put(("processed", idx, self.groups[idx].job.result()))
+
     def _handle(self, item: tuple) -> list[Event]:
         kind = item[0]
-        if kind == "rollout":
-            g = self.groups[item[1]]
-            g.sessions = g.job.result()  # a failed task raises here: the run stops with it
-            g.t_rollout = time.time()
-            for h in g.sessions:  # no KV moves for sessions that are over
-                self.gateway.end_session(h.session_id)
-            self.gateway.flush()  # every answered call is in the store before processing
-            self._mark_lost_sessions(g.sessions)
-            g.phase = "process"
-            g.deadline = time.monotonic() + self.job_timeout_s
-            g.job = self.work.process(
-                g.index, g.sessions, self.version, workers=self.process_addrs()
-            )
-            g.job.add_done_callback(lambda idx=g.index: self._q.put(("processed", idx)))
-            return []
+        if kind == "raise":
+            raise item[1]  # a group's end failed off the loop: as the loop would have
         if kind == "processed":
             g = self.groups[item[1]]
-            g.processed = g.job.result()
+            g.processed = item[2]
             g.phase, g.job, g.t_done = "held", None, time.time()
             self.held.append(g.index)
             self.stats.groups_done += 1

@@ -46,16 +46,26 @@ def test_order_priority_then_request_and_off_the_callers_thread():
     assert subs.stats.n == {"rollout": 4, "process": 1, "step": 2}
 
 
-def test_the_callers_context_and_dask_annotations_travel():
-    subs = Submits()
+def test_the_flows_context_and_the_callers_dask_annotations_travel():
+    """Submits run in the context of the thread that made ``Submits`` (the flow's), from
+    any thread that asks, with the asking thread's Dask annotations."""
+    token = VAR.set("flow-run")
     try:
-        token = VAR.set("flow-run")
-        with dask.annotate(resources={"harness": 1}):
-            job = subs.submit(ROLLOUT, lambda: (VAR.get(), dask.get_annotations()))
+        subs = Submits()
+    finally:
         VAR.reset(token)
-        assert job.future == ("flow-run", {"resources": {"harness": 1}})
-        # the context is the one of the moment of the request, not of the thread's start
-        assert subs.submit(ROLLOUT, VAR.get).future == "unset"
+    out = {}
+
+    def elsewhere():  # an executor thread: no flow context of its own
+        with dask.annotate(resources={"harness": 1}):
+            out["job"] = subs.submit(ROLLOUT, lambda: (VAR.get(), dask.get_annotations()))
+
+    try:
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join(10)
+        assert out["job"].future == ("flow-run", {"resources": {"harness": 1}})
+        assert subs.submit(ROLLOUT, dask.get_annotations).future == {}
     finally:
         subs.close()
 
@@ -113,9 +123,16 @@ def test_real_prefect_tasks_are_the_flows_children_and_placed(prefect_harness):
             ended = threading.Event()
             try:
                 jobs = []
-                for i in range(4):
+
+                def ask(i: int) -> None:
                     with dask.annotate(workers=[addrs[i % 2]], allow_other_workers=False):
                         jobs.append(subs.submit(ROLLOUT, where.submit, i))
+
+                for i in range(3):
+                    ask(i)
+                t = threading.Thread(target=ask, args=(3,))  # as the executor's threads do
+                t.start()
+                t.join(10)
                 jobs[-1].add_done_callback(ended.set)
                 out = [j.result(timeout=60) for j in jobs]
                 assert ended.wait(10) and all(j.done() for j in jobs)

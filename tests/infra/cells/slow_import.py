@@ -4,5 +4,5 @@ cell preloads it (tests/infra/cells/test_heal_step.py). ``DONE_AT``: when its im
 
 import time
 
-time.sleep(8.0)
+time.sleep(6.0)
 DONE_AT = time.time()

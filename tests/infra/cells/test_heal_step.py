@@ -145,8 +145,9 @@ def _lose_a_member_mid_step(tmp_path, commit_first: bool):
     """Two train cells, a step over both, cell 1 SIGKILLed and healed; returns what the
     executor did (the work's plans, the events, the store, the addresses before)."""
     store = Store(str(tmp_path / "store"))
+    preload = () if commit_first else (SLOW,)  # the slow preload matters to the retry
     with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1,
-                     preload=(SLOW,)) as cells:  # fmt: skip
+                     preload=preload) as cells:  # fmt: skip
         work = StepWork(cells)
         ex = Executor(
             cells, NoGateway(), store, RUN, work, EngineSpec(model_dir="unused"),

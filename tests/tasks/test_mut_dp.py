@@ -1,0 +1,96 @@
+"""``DPGroup.reduce_grads`` sums a parameter that has a gradient on only ONE member
+(tasks/train/dp.py), with two real gloo processes.
+
+A member's micro-batches may leave a parameter without a gradient (an embedding row or a
+head no token of its shard reaches) while the other member's do not: the sum must then be
+the textbook one, the other member's gradient plus zero, on both members. A parameter with
+a gradient on no member keeps ``None`` on both. A mutant that reduced only parameters with
+a gradient on more than one member survived the fast suite (bench/mutation.py, issue 26):
+in the other DP tests every parameter has a gradient on both members.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from tasks.train import dp
+
+pytestmark = pytest.mark.integration
+
+NAMES = ("both", "only0", "only1", "none")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({n: torch.nn.Linear(3, 2) for n in NAMES})
+
+
+def _grad(rank: int, name: str, shape: torch.Size, k: int) -> torch.Tensor:
+    """Member ``rank``'s gradient of the ``k``-th parameter of ``name`` (distinct values)."""
+    base = 10.0**rank * (k + 1) * (NAMES.index(name) + 1)
+    return torch.arange(shape.numel(), dtype=torch.float32).reshape(shape) + base
+
+
+def _has(rank: int, name: str) -> bool:
+    return name == "both" or name == f"only{rank}"
+
+
+def _member(port: int, rank: int, out) -> None:
+    """Set this member's gradients (``only{other}`` and ``none`` left None), reduce them,
+    send back each parameter's gradient (None where it has none)."""
+    try:
+        model = _model()
+        for name, mod in model.items():
+            for k, p in enumerate(mod.parameters()):
+                p.grad = _grad(rank, name, p.shape, k) if _has(rank, name) else None
+        group = dp.DPGroup(
+            dp.Rendezvous("127.0.0.1", port, 0, rank, 2), backend="gloo", timeout_s=30
+        )
+        try:
+            group.reduce_grads(model)
+        finally:
+            group.close()
+        grads = {
+            f"{name}.{k}": None if p.grad is None else p.grad.tolist()
+            for name, mod in model.items()
+            for k, p in enumerate(mod.parameters())
+        }
+        out.put((rank, grads))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other():
+    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(port, r, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, grads in got.items():
+        assert isinstance(grads, dict), f"member {rank} failed:\n{grads}"
+    model = _model()
+    for name, mod in model.items():
+        for k, p in enumerate(mod.parameters()):
+            key = f"{name}.{k}"
+            parts = [_grad(r, name, p.shape, k) for r in (0, 1) if _has(r, name)]
+            for rank in (0, 1):
+                g = got[rank][key]
+                if not parts:
+                    assert g is None, f"{key} has a gradient on no member: stays None on {rank}"
+                    continue
+                assert g is not None, f"{key}: no gradient after the reduce on member {rank}"
+                want = sum(parts, torch.zeros(p.shape))
+                assert torch.equal(torch.tensor(g), want), (key, rank, g, want.tolist())
+    del store

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,3 +95,59 @@ def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other():
                 want = sum(parts, torch.zeros(p.shape))
                 assert torch.equal(torch.tensor(g), want), (key, rank, g, want.tolist())
     del store
+
+
+# -- the optimizer-state helpers a join's broadcast uses (in process: no group needed) ----
+
+
+def _trainer(seed: int) -> SimpleNamespace:
+    """What the helpers read of a Trainer: its model and its AdamW."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    return SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
+
+
+def _step(trainer: SimpleNamespace, seed: int) -> None:
+    torch.manual_seed(seed)
+    trainer.optimizer.zero_grad()
+    trainer.model(torch.randn(5, 3)).square().sum().backward()
+    trainer.optimizer.step()
+
+
+def test_a_fresh_optimizer_has_no_state_and_a_stepped_one_has():
+    t = _trainer(0)
+    assert dp._has_opt_state(t) == 0
+    _step(t, 1)
+    assert dp._has_opt_state(t) == 1
+
+
+def test_a_receivers_state_is_laid_out_as_the_senders_and_steps_as_it_does():
+    """A joiner's fresh optimizer gets AdamW's state tensors (zeros) in the sender's layout,
+    so the broadcast's tensor lists pair up; with the sender's values copied in, the
+    joiner's next update is the sender's, bit for bit."""
+    sender, receiver = _trainer(0), _trainer(0)
+    _step(sender, 1)
+    _step(sender, 2)
+    dp._init_opt_state(receiver)
+    got, want = dp._opt_tensors(receiver), dp._opt_tensors(sender)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+    assert len(want) == 3 * len(list(sender.model.parameters()))  # step, exp_avg, exp_avg_sq
+    assert all(not t.any() for t in got)
+    with torch.no_grad():
+        for a, b in zip(sender.model.parameters(), receiver.model.parameters(), strict=True):
+            b.copy_(a)
+        for src, dst in zip(want, got, strict=True):
+            dst.copy_(src)
+    _step(sender, 3)
+    _step(receiver, 3)
+    for a, b in zip(sender.model.parameters(), receiver.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert receiver.optimizer.state[next(iter(receiver.model.parameters()))]["step"] == 3
+
+
+def test_init_opt_state_keeps_a_state_already_there():
+    t = _trainer(0)
+    _step(t, 1)
+    before = [x.clone() for x in dp._opt_tensors(t)]
+    dp._init_opt_state(t)
+    assert all(torch.equal(a, b) for a, b in zip(before, dp._opt_tensors(t), strict=True))

@@ -7,6 +7,10 @@ the textbook one, the other member's gradient plus zero, on both members. A para
 a gradient on no member keeps ``None`` on both. A mutant that reduced only parameters with
 a gradient on more than one member survived the fast suite (bench/mutation.py, issue 26):
 in the other DP tests every parameter has a gradient on both members.
+
+The optimizer-state helpers a join's ``broadcast_state`` uses (``_has_opt_state``,
+``_init_opt_state``, ``_opt_tensors``) are pinned in process: a joiner's fresh AdamW gets
+the sender's layout, and with the sender's values its next update is the sender's.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ a gradient on no member keeps ``None`` on both. A mutant that reduced only param
 a gradient on more than one member survived the fast suite (bench/mutation.py, issue 26):
 in the other DP tests every parameter has a gradient on both members.
 
+The same members reduce their step metrics (summed; the clip fraction weighted by each
+member's trainable tokens: two mutants of it survived).
+
 The optimizer-state helpers a join's ``broadcast_state`` uses (``_has_opt_state``,
 ``_init_opt_state``, ``_opt_tensors``) are pinned in process: a joiner's fresh AdamW gets
 the sender's layout, and with the sender's values its next update is the sender's.
@@ -44,6 +47,17 @@ def _has(rank: int, name: str) -> bool:
     return name == "both" or name == f"only{rank}"
 
 
+def _metrics(rank: int) -> dict[str, float]:
+    """Member ``rank``'s step metrics: summed ones, a clip fraction, one that is not summed."""
+    return {
+        "train/loss": 1.5 * (rank + 1),
+        "train/tokens": 12.0 * (rank + 1),
+        "train/trainable_tokens": 10.0 * (rank + 1),
+        "train/clip_fraction": 0.1 * (rank + 1),
+        "train/lr": 0.01,
+    }
+
+
 def _member(port: int, rank: int, out) -> None:
     """Set this member's gradients (``only{other}`` and ``none`` left None), reduce them,
     send back each parameter's gradient (None where it has none)."""
@@ -57,6 +71,7 @@ def _member(port: int, rank: int, out) -> None:
         )
         try:
             group.reduce_grads(model)
+            metrics = group.reduce_metrics(_metrics(rank))
         finally:
             group.close()
         grads = {
@@ -64,12 +79,13 @@ def _member(port: int, rank: int, out) -> None:
             for name, mod in model.items()
             for k, p in enumerate(mod.parameters())
         }
-        out.put((rank, grads))
+        out.put((rank, (grads, metrics)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
 
 
 def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other():
+    """(and the step's metrics: summed, the clip fraction weighted by trainable tokens)"""
     store, port = dp.host_store("127.0.0.1", timeout_s=60)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -83,8 +99,19 @@ def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    for rank, grads in got.items():
-        assert isinstance(grads, dict), f"member {rank} failed:\n{grads}"
+    for rank, res in got.items():
+        assert isinstance(res, tuple), f"member {rank} failed:\n{res}"
+    # the clip fraction is weighted by each member's trainable tokens: (0.1*10 + 0.2*20) / 30
+    want_metrics = {
+        "train/loss": 4.5,
+        "train/tokens": 36.0,
+        "train/trainable_tokens": 30.0,
+        "train/clip_fraction": 5.0 / 30.0,
+        "train/lr": 0.01,
+    }
+    for rank in (0, 1):
+        assert got[rank][1] == pytest.approx(want_metrics), (rank, got[rank][1])
+    got = {rank: res[0] for rank, res in got.items()}
     model = _model()
     for name, mod in model.items():
         for k, p in enumerate(mod.parameters()):

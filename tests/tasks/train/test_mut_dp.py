@@ -30,6 +30,7 @@ from tasks.train import dp
 pytestmark = pytest.mark.integration
 
 NAMES = ("both", "only0", "only1", "none")
+BIG = 2**24 + 1  # the first integer float32 cannot hold
 
 
 def _model() -> torch.nn.Module:
@@ -51,7 +52,7 @@ def _metrics(rank: int) -> dict[str, float]:
     """Member ``rank``'s step metrics: summed ones, a clip fraction, one that is not summed."""
     return {
         "train/loss": 1.5 * (rank + 1),
-        "train/tokens": 12.0 * (rank + 1),
+        "train/tokens": float(BIG) if rank == 0 else 2.0,  # float32 would round the sum
         "train/trainable_tokens": 10.0 * (rank + 1),
         "train/clip_fraction": 0.1 * (rank + 1),
         "train/lr": 0.01,
@@ -72,6 +73,7 @@ def _member(port: int, rank: int, out) -> None:
         try:
             group.reduce_grads(model)
             metrics = group.reduce_metrics(_metrics(rank))
+            metrics["gathered"] = group.all_gather_ints(5 + rank)
         finally:
             group.close()
         grads = {
@@ -104,13 +106,16 @@ def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other():
     # the clip fraction is weighted by each member's trainable tokens: (0.1*10 + 0.2*20) / 30
     want_metrics = {
         "train/loss": 4.5,
-        "train/tokens": 36.0,
+        "train/tokens": float(BIG + 2),
         "train/trainable_tokens": 30.0,
         "train/clip_fraction": 5.0 / 30.0,
         "train/lr": 0.01,
     }
     for rank in (0, 1):
-        assert got[rank][1] == pytest.approx(want_metrics), (rank, got[rank][1])
+        m = got[rank][1]
+        assert m.pop("gathered") == [5, 6], (rank, m)
+        assert m == pytest.approx(want_metrics), (rank, m)
+        assert m["train/tokens"] == BIG + 2  # exact: summed in float64
     got = {rank: res[0] for rank, res in got.items()}
     model = _model()
     for name, mod in model.items():
@@ -182,3 +187,13 @@ def test_init_opt_state_keeps_a_state_already_there():
     before = [x.clone() for x in dp._opt_tensors(t)]
     dp._init_opt_state(t)
     assert all(torch.equal(a, b) for a, b in zip(before, dp._opt_tensors(t), strict=True))
+
+
+def test_auto_backend_and_a_plans_rendezvous():
+    want = "nccl" if torch.cuda.is_available() else "gloo"
+    assert dp.pick_backend("auto") == want and dp.pick_backend("gloo") == "gloo"
+    plan = dp.StepPlan(
+        step=3, version=2, generation=7, host="10.0.0.1", port=4321, members=("a", "b", "c"),
+        groups=(0,), segments=(), shuffle_seed=0, workers=(),
+    )  # fmt: skip
+    assert plan.rendezvous(1) == dp.Rendezvous("10.0.0.1", 4321, 7, 1, 3)

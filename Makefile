@@ -58,11 +58,15 @@ test-xlong: $(STAMP)
 	$(BIN)/pytest -q -s -m xlong
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt mutmut==3.8.1  # bench/mutation.py's (see mutation)
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b --quick || exit 1; done
 
 # generated mutants (mutmut) over the seam modules, each against its fast tests: killed /
 # survived / timeout per module (bench/mutation.py; ~1 h on 2 cores at 30 mutants a module). Not CI.
+# mutmut is installed here, not with the project: it brings setproctitle, with which Dask
+# retitles every worker process ("dask worker [...]"), so a test run would differ from CI's.
 mutation: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt mutmut==3.8.1
 	nice -n 10 $(BIN)/python bench/mutation.py --json bench-results/mutation-generated.json
 
 clean:

@@ -21,20 +21,7 @@ from flows.served import _learnable, pending_sessions, train_served
 from storage.sql import query
 from tasks.handles import SessionHandle
 from tests.flows.test_served_rollouts import RUN, _serve_store
-
-
-def _score(session_id: str, subtask: str, score: float) -> dict:
-    return {
-        "run_id": RUN,
-        "session_id": session_id,
-        "subtask_id": subtask,
-        "score": score,
-        "weight": 1.0,
-        "at_request_id": None,
-        "source": "harness",
-        "status": "finished",
-        "reason": "",
-    }
+from tests.flows.test_served_rollouts import score_row as _score
 
 
 def _cfg(*overrides: str):

@@ -41,6 +41,21 @@ def _readme_worst_queries() -> list[str]:
     return worst
 
 
+def score_row(session_id: str, subtask: str, score: float) -> dict:
+    """A finished harness score of ``session_id``'s ``subtask``, as the gateway records it."""
+    return {
+        "run_id": RUN,
+        "session_id": session_id,
+        "subtask_id": subtask,
+        "score": score,
+        "weight": 1.0,
+        "at_request_id": None,
+        "source": "harness",
+        "status": "finished",
+        "reason": "",
+    }
+
+
 def _serve_store(
     tmp_path, sessions: dict[str, tuple[str, float | None]], groups: dict[str, str] | None = None
 ) -> Store:
@@ -79,19 +94,7 @@ def _serve_store(
             }
         )
         if score is not None:
-            scores.append(
-                {
-                    "run_id": RUN,
-                    "session_id": sid,
-                    "subtask_id": "answer",
-                    "score": score,
-                    "weight": 1.0,
-                    "at_request_id": None,
-                    "source": "harness",
-                    "status": "finished",
-                    "reason": "",
-                }
-            )
+            scores.append(score_row(sid, "answer", score))
     st.append("tito", pa.Table.from_pylist(calls, schema=TITO_SCHEMA))
     st.append("scores", scores)
     return st
@@ -158,19 +161,7 @@ def test_a_pass_with_nothing_to_learn_uses_no_session_up(tmp_path):
 
 
 def _scores(session_id: str, score: float) -> list[dict]:
-    return [
-        {
-            "run_id": RUN,
-            "session_id": session_id,
-            "subtask_id": "answer",
-            "score": score,
-            "weight": 1.0,
-            "at_request_id": None,
-            "source": "harness",
-            "status": "finished",
-            "reason": "",
-        }
-    ]
+    return [score_row(session_id, "answer", score)]
 
 
 def _process(st: Store, step: int) -> set[str]:

@@ -33,6 +33,7 @@ from storage.sql import query
 from storage.store import Store
 from tasks.handles import TrainedStep
 from tasks.sched.coordinator import RolloutFinished, StartRollouts, StartStep, StepFinished
+from tests.infra.cells.jobs import FutureJob
 
 pytestmark = pytest.mark.integration
 
@@ -45,20 +46,11 @@ class _Processed:
     samples_segment: str | None = None
 
 
-class Job:
-    """A future the test holds, through the executor's ``Job`` verbs."""
+class Job(FutureJob):
+    """A future the test holds, through the executor's ``Job`` verbs (and ``cancel``)."""
 
     def __init__(self, fut: cf.Future | None = None):
-        self.fut = fut or cf.Future()
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def result(self):
-        return self.fut.result()
-
-    def add_done_callback(self, fn) -> None:
-        self.fut.add_done_callback(lambda _f: fn())
+        super().__init__(fut or cf.Future())
 
     def cancel(self) -> None:
         self.fut.cancel()

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -224,6 +224,10 @@ class Executor(Healing):
         self._cell_locks = [threading.RLock() for _ in self.addrs]
         self._watched = 0.0
         self._unrunnable_checked = 0.0
+        self._unrunnable: dict[int, Any] = {}  # group -> the task key last checked
+        self._looking: Future | None = None  # a look at the workers under way (healing.py)
+        self._look_again = False  # a forced look asked for while one was under way
+        self._peek = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-exec-watch")
         self._no_worker: dict[int, float] = {}  # group -> since when no cell can run its task
         self._closing = threading.Event()
         self.shuffle_buffer = shuffle_buffer
@@ -339,7 +343,7 @@ class Executor(Healing):
         self._closing.set()  # actions waiting for a lost cell to heal give up now
         for i, role in enumerate(self.roles):
             self.record(i, "leave", role, "run ended")
-        for pool in (self._ends, self._results, self._pool, self._side):
+        for pool in (self._peek, self._ends, self._results, self._pool, self._side):
             pool.shutdown(wait=True, cancel_futures=True)
         # every row is in the store when the run reads it back; a store that is gone only
         # costs the rows (the run's own error says why), as the log's warning says
@@ -496,6 +500,8 @@ class Executor(Healing):
             if item[1] != self.step_token or self.step_retry is not None:
                 return []  # an aborted attempt's member
             return self._member_done()
+        if kind == "workers":
+            return self._seen(item[1])
         if kind == "healed":
             self.stats.cells_healed += 1
             return self._watch(force=True)

@@ -69,17 +69,54 @@ class Healing:
     whose attributes these methods use)."""
 
     def _watch(self, force: bool = False) -> list[Event]:
-        """Look at the cluster's workers (at most every ``watch_s``): lost cells, their
-        replacements, overdue heals, rollout/processing deadlines, an aborted step."""
+        """Ask for a look at the cluster's workers (at most every ``watch_s``, one at a time;
+        ``force``: now, or as soon as the look under way is answered). The look is a round
+        trip to the scheduler (15-35 ms each on a loaded host, several a second: 5-32 s of
+        a run's loop time when the loop made them itself), so it runs on a thread of its own
+        and its answer comes back to the loop as a ``workers`` event (`_seen`)."""
         now = time.monotonic()
+        if self._looking is not None:
+            self._look_again = self._look_again or force
+            return []
         if not force and now - self._watched < self.watch_s:
             return []
         self._watched = now
+        keys = self._unrunnable_keys(now)
         try:
-            alive = self.cells.workers()
+            look = self._peek.submit(self._look, keys)
+        except RuntimeError:  # the executor is closing: nothing to look at any more
+            return []
+        self._looking = look
+        look.add_done_callback(lambda f: self._q.put(("workers", f)))
+        return []
+
+    def _look(self, keys: dict[int, Any] | None) -> tuple[set[str], dict[Any, str] | None]:
+        """Off the loop: the workers the scheduler knows and, when ``keys`` (group -> its
+        task's key) is given, those tasks' states."""
+        alive = self.cells.workers()
+        states = None
+        if keys:
+            try:
+                states = self.cells.task_states(list(keys.values()))
+            except Exception as exc:  # the scheduler is unreachable: look again later
+                log.warning("cannot read the states of the rollout tasks: %s", exc)
+        return alive, states
+
+    def _seen(self, look: Any) -> list[Event]:
+        """On the loop: what a look at the workers found (`_watch`), carried out: lost cells,
+        their replacements, overdue heals, rollout/processing deadlines, tasks no cell can
+        run, an aborted step's retry."""
+        self._looking = None
+        try:
+            alive, states = look.result()
         except Exception as exc:  # the scheduler is unreachable: say so, try again next tick
             log.warning("cannot list the cluster's workers: %s", exc)
             return []
+        finally:
+            if self._look_again:
+                self._look_again = False
+                self._watch(force=True)
+        now = time.monotonic()
         obs = self._observe(alive, now)
         if obs.overdue:
             i, t = obs.overdue[0]
@@ -94,15 +131,16 @@ class Healing:
                     f"{g.phase} of group g{g.index} not done {self.job_timeout_s:.0f}s after "
                     f"it started (its Dask task: {self._describe(g.job)}); check the cells"
                 )
-        self._check_unrunnable(now)
+        if states is not None:
+            self._check_unrunnable(states, now)
         if self.step_jobs and self.step_retry is None:
             bound = self.step_timeout_s + self.heal_timeout_s
             late = time.time() - self.step_t0 - bound
             if late > 0 and not all(j.done() for j in self.step_jobs):
-                states = ", ".join(self._describe(j) for j in self.step_jobs)
+                states_ = ", ".join(self._describe(j) for j in self.step_jobs)
                 raise ExecutorError(
                     f"step {self.step_plan.step} not done {bound:.0f}s after it started "
-                    f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states}"
+                    f"(scheduler.step_timeout_s + cluster.heal_timeout_s); its members: {states_}"
                 )
         return self._maybe_retry_step(now)
 
@@ -119,12 +157,11 @@ class Healing:
             self._pool.submit(self._guard_heal, i, addr)
         return obs
 
-    def _check_unrunnable(self, now: float) -> None:
-        """A rollout or processing task that no live cell can take (Dask's ``no-worker``:
-        no cell holds its resources) for longer than a heal is a fault, not a wait: the
-        run stops and says which, instead of waiting out the task's deadline."""
+    def _unrunnable_keys(self, now: float) -> dict[int, Any] | None:
+        """The in-flight rollout and processing tasks to check for waiting on no cell (group
+        -> task key), every ``UNRUNNABLE_CHECK_S``; None when the check is not due."""
         if now - self._unrunnable_checked < UNRUNNABLE_CHECK_S:
-            return
+            return None
         self._unrunnable_checked = now
         keys = {
             g.index: g.job.key
@@ -134,15 +171,25 @@ class Healing:
             and getattr(g.job, "key", None) is not None
             and not g.job.done()
         }
-        if not keys:
-            self._no_worker.clear()
-            return
-        try:
-            states = self.cells.task_states(list(keys.values()))
-        except Exception as exc:  # the scheduler is unreachable: say so, look again later
-            log.warning("cannot read the states of the rollout tasks: %s", exc)
-            return
-        waiting = [i for i, k in keys.items() if states.get(k) == "no-worker"]
+        self._unrunnable = keys
+        return keys
+
+    def _check_unrunnable(self, states: dict[Any, str], now: float) -> None:
+        """A rollout or processing task that no live cell can take (Dask's ``no-worker``:
+        no cell holds its resources) for longer than a heal is a fault, not a wait: the
+        run stops and says which, instead of waiting out the task's deadline. ``states``:
+        the scheduler's word on the tasks `_unrunnable_keys` named; a group that moved on
+        since (its rollout ended, its processing started) is not held to its old task."""
+        keys = self._unrunnable
+        waiting = [
+            i
+            for i, k in keys.items()
+            if states.get(k) == "no-worker"
+            and (g := self.groups.get(i)) is not None
+            and g.job is not None
+            and getattr(g.job, "key", None) == k
+            and not g.job.done()
+        ]
         self._no_worker = {i: self._no_worker.get(i, now) for i in waiting}
         for i, since in self._no_worker.items():
             if now - since > self.heal_timeout_s:

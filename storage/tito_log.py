@@ -377,8 +377,9 @@ class TitoLog:
                 seg_ns = t_ns
             if seg_ns < t_ns:
                 continue
-            with self.store.fs.open(seg, "rb") as fh:
-                ids.update(pq.read_table(fh, columns=["request_id"]).column(0).to_pylist())
+            table = self.store.read_segment(seg)  # through the store's retries
+            if table is not None:  # None: undecodable, now quarantined
+                ids.update(table.column("request_id").to_pylist())
         return ids
 
 

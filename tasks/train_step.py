@@ -29,7 +29,6 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -42,7 +41,7 @@ from storage.checkpoints import (
     stage_checkpoint,
 )
 from storage.commits import commit_step_record, roll_forward
-from storage.store import Store
+from storage.store import Store, StoreError
 from tasks.handles import TrainedStep
 from tasks.train import dp, sharded
 from tasks.train.config import TrainConfig
@@ -57,9 +56,16 @@ class LedgerError(RuntimeError):
 
 
 def load_samples(store: Store, segment: str) -> list[Sample]:
-    with store.fs.open(segment, "rb") as fh:
-        rows = pq.read_table(fh).to_pylist()
-    return [Sample.from_row(r) for r in rows]
+    """The samples of one ``samples`` segment, read through the store's retries (an outage
+    ends as the store's own `StoreError`, which the run names as such, not as a member's
+    raw connection error); a segment that cannot be decoded is quarantined and refused."""
+    table = store.read_segment(segment)
+    if table is None:
+        raise StoreError(
+            f"store: samples segment {segment} cannot be decoded; it was moved to "
+            "_quarantine/ and its samples are not trained"
+        )
+    return [Sample.from_row(r) for r in table.to_pylist()]
 
 
 def sample_lag(sample: Sample, version: int) -> tuple[float, int, int]:

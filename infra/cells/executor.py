@@ -781,6 +781,15 @@ class Executor(Healing):
         for i in d.cells:
             self.record(i, "step", "train", reason, f"step {plan.step} gen {plan.generation}")
         self.step_cells, self.step_t0, self.step_attempt = tuple(d.cells), time.time(), 0
+        if lost := [i for i in d.cells if self.membership.is_lost(i)]:
+            # a member cell was lost between steps and is healing: the coordinator booked
+            # the step with it, so the step waits for it as an aborted attempt does (its
+            # retry: a new generation on the healed worker, once its preload is in), not
+            # at a rendezvous whose dead member never comes
+            self.step_plan, self.step_jobs = plan, []
+            self.step_retry = (time.monotonic(), f"member cell(s) {lost} lost before the step")
+            log.warning("step %d waits for member cell(s) %s to heal", plan.step, lost)
+            return
         self._submit_step(plan)
 
     def _submit_step(self, plan: StepPlan) -> None:

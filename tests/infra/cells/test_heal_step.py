@@ -206,3 +206,45 @@ def test_a_step_committed_before_the_loss_is_never_trained_again(tmp_path):
     assert ex.last_step.metrics["train/loss"] == 0.5  # from the commit record
     steps = query(ex.store, f"SELECT step FROM steps WHERE run_id = '{RUN}'").to_pylist()
     assert steps == [{"step": 0}]
+
+
+def test_a_step_over_a_cell_lost_between_steps_waits_for_its_heal(tmp_path):
+    """The coordinator books a step with the cells it knows; one of them was lost after the
+    last step and heals now. The step is submitted once the cell is back (on its new worker,
+    its preload in), as a new generation, not at once with the dead worker as a member."""
+    store = Store(str(tmp_path / "store"))
+    with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1,
+                     preload=(SLOW,)) as cells:  # fmt: skip
+        work = StepWork(cells)
+        ex = Executor(
+            cells, NoGateway(), store, RUN, work, EngineSpec(model_dir="unused"),
+            step_timeout_s=60, heal_timeout_s=120, watch_s=3.0,
+        )  # fmt: skip
+        try:
+            ex.start(("train", "train"), "test")
+            seen: list = []
+            ex.apply(StartRollouts(0, 1), "test")
+            _until(ex, seen, lambda e: isinstance(e, RolloutFinished))
+            before, gen = list(ex.addrs), ex.generation
+            os.kill(cells.pids()[before[1]], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not ex.membership.is_lost(1):  # the executor saw it go
+                assert time.monotonic() < deadline, seen
+                seen += ex.events(timeout=0.2)
+            ex.apply(StartStep((0, 1), 1), "test")  # booked with the healing cell
+            deadline = time.monotonic() + 180
+            while not work.plans:
+                assert time.monotonic() < deadline, seen
+                seen += ex.events(timeout=0.2)
+            (plan,) = work.plans
+            assert ex.addrs[1] != before[1]  # healed onto the restarted worker
+            assert plan.workers == (before[0], ex.addrs[1]), (plan.workers, before)
+            assert plan.generation > gen
+            (done, submitted) = work.preloaded[0][ex.addrs[1]]
+            assert done is not None and done <= submitted, work.preloaded[0]
+            for job in work.jobs[0]:
+                job.fut.set_result(TrainedStep(plan.step, plan.version + 1, "", {}))
+            _until(ex, seen, lambda e: isinstance(e, StepFinished))
+            assert ex.version == 1 and len(work.plans) == 1
+        finally:
+            ex.close()

@@ -1,7 +1,8 @@
 """What a committed step records (``commit_step`` in tasks/train_step.py), where generated
 mutants survived the other fast tests (bench/mutation.py): each ledger row's lag (a number
 for a sample with policy tokens, null for one without), the steps row's dropped tokens, the
-same in the commit record as in the datasets."""
+same in the commit record as in the datasets; and what a step run without a cell
+(``train_on_samples``: tests, tools) records as its cell and its start."""
 
 from __future__ import annotations
 
@@ -73,3 +74,24 @@ def test_a_restored_trainer_with_kl_gets_the_warm_start_as_reference(tmp_path):
     got = _restore_kwargs(store, "r1", TrainConfig(kl_coef=0.1))
     assert got["ref_model_dir"] == fetch_checkpoint(store, "r1", 0)
     assert "ref_model_dir" not in _restore_kwargs(store, "r1", TrainConfig(kl_coef=0.0))
+
+
+def test_a_step_without_a_cell_records_the_local_cell_and_its_start(tmp_path):
+    """``train_on_samples`` with no ``cell_id``: the steps row names the cell ``local`` and
+    starts when the call did (before the step's end), not at an unset time."""
+    from infra.engine.tiny_model import make_tiny_model
+    from storage.checkpoints import publish_checkpoint
+    from tasks.train.config import TrainConfig
+    from tasks.train_step import train_on_samples
+
+    store = Store(str(tmp_path / "store"))
+    publish_checkpoint(store, "r1", make_tiny_model(), 0)
+    samples = build_samples([small_tree("s", (0, 0, 0, 0))], {"s": 1.0}, advantage="reward")
+    seg = store.append("samples", [smp.to_row() for smp in samples])
+    before = time.time()
+    train_on_samples(store, "r1", 0, seg, TrainConfig(lr=1e-3))
+    after = time.time()
+    (rec,) = committed_steps(store, "r1")
+    steps = rec["steps"]
+    assert steps["cells"] == ["local"] and steps["n_members"] == 1
+    assert before <= steps["t_start"] <= steps["t_end"] <= after

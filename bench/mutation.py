@@ -145,6 +145,12 @@ EQUIVALENT: dict[str, str] = {
     "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_117": _PROBE,
     "infra.gateway.chat.xǁChatTokenizerǁ_render_template__mutmut_12": "tokenize=None: "
     "transformers' apply_chat_template tests `if tokenize`, None renders as False does",
+    "tasks.train.dp.xǁDPGroupǁreduce_metrics__mutmut_45": "n_train's default 1.0 for 0.0: it"
+    " is read only when no member has train/trainable_tokens, and then the clip sum is"
+    " clip_fraction * 0 = 0: 0 / 1.0 is the 0.0 the other branch gives",
+    "tasks.train_step.x_restore_sharded__mutmut_30": "the n_steps default None for 0: every"
+    " writer of trainer_state.json (Trainer.save, sharded.save_consolidated) writes n_steps,"
+    " so the default is never read",
 }
 
 # mutmut's exit codes (mutmut/stats.py status_by_exit_code), folded into the bench's columns

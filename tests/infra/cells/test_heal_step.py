@@ -21,6 +21,7 @@ import signal
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -106,11 +107,38 @@ class NoGateway:
         return []
 
 
-def _until(ex: Executor, seen: list, want, timeout: float = 180) -> None:
+def _wait(ex: Executor, seen: list, done, timeout: float = 180) -> None:
+    """Feed the executor's events into ``seen`` until ``done()`` holds."""
     deadline = time.monotonic() + timeout
-    while not any(want(e) for e in seen):
+    while not done():
         assert time.monotonic() < deadline, f"timed out after {timeout}s; saw {seen}"
         seen += ex.events(timeout=0.2)
+
+
+def _until(ex: Executor, seen: list, want, timeout: float = 180) -> None:
+    _wait(ex, seen, lambda: any(want(e) for e in seen), timeout)
+
+
+@contextmanager
+def _two_train_cells(tmp_path, preload: tuple[str, ...]):
+    """Two train cells under an executor, one group finished (a step can start): yields
+    the cells, the work, the executor and the events seen so far."""
+    store = Store(str(tmp_path / "store"))
+    with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1,
+                     preload=preload) as cells:  # fmt: skip
+        work = StepWork(cells)
+        ex = Executor(
+            cells, NoGateway(), store, RUN, work, EngineSpec(model_dir="unused"),
+            step_timeout_s=60, heal_timeout_s=120, watch_s=3.0,
+        )  # fmt: skip
+        try:
+            ex.start(("train", "train"), "test")
+            seen: list = []
+            ex.apply(StartRollouts(0, 1), "test")
+            _until(ex, seen, lambda e: isinstance(e, RolloutFinished))
+            yield cells, work, ex, seen
+        finally:
+            ex.close()
 
 
 def _commit(store: Store, plan) -> None:
@@ -136,42 +164,28 @@ def _commit(store: Store, plan) -> None:
 def _lose_a_member_mid_step(tmp_path, commit_first: bool):
     """Two train cells, a step over both, cell 1 SIGKILLed and healed; returns what the
     executor did (the work's plans, the events, the store, the addresses before)."""
-    store = Store(str(tmp_path / "store"))
     preload = () if commit_first else (SLOW,)  # the slow preload matters to the retry
-    with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1,
-                     preload=preload) as cells:  # fmt: skip
-        work = StepWork(cells)
-        ex = Executor(
-            cells, NoGateway(), store, RUN, work, EngineSpec(model_dir="unused"),
-            step_timeout_s=60, heal_timeout_s=120, watch_s=3.0,
-        )  # fmt: skip
-        try:
-            ex.start(("train", "train"), "test")
-            seen: list = []
-            ex.apply(StartRollouts(0, 1), "test")
-            _until(ex, seen, lambda e: isinstance(e, RolloutFinished))
-            ex.apply(StartStep((0, 1), 1), "test")
-            before = list(ex.addrs)
-            (plan,) = work.plans
-            if commit_first:
-                _commit(store, plan)
-                work.jobs[0][0].fut.set_result(
-                    TrainedStep(plan.step, plan.version + 1, "", {})
-                )  # rank 0 committed and returned; rank 1's cell dies before it returns
-            else:  # rank 0 is told first, as gloo tells a survivor (its peer's socket
-                # closed) before the scheduler hears of the death: the executor learns of
-                # the loss from the failed member, not from a look at the workers
-                work.jobs[0][0].fut.set_exception(RuntimeError("Connection closed by peer"))
-            os.kill(cells.pids()[before[1]], signal.SIGKILL)
-            _until(ex, seen, lambda e: isinstance(e, StepFinished) or len(work.plans) > 1)
-            if not commit_first:
-                retry = work.plans[1]
-                for job in work.jobs[1]:
-                    job.fut.set_result(TrainedStep(retry.step, retry.version + 1, "", {}))
-                _until(ex, seen, lambda e: isinstance(e, StepFinished))
-            return work, seen, ex, before
-        finally:
-            ex.close()
+    with _two_train_cells(tmp_path, preload) as (cells, work, ex, seen):
+        ex.apply(StartStep((0, 1), 1), "test")
+        before = list(ex.addrs)
+        (plan,) = work.plans
+        if commit_first:
+            _commit(ex.store, plan)
+            work.jobs[0][0].fut.set_result(
+                TrainedStep(plan.step, plan.version + 1, "", {})
+            )  # rank 0 committed and returned; rank 1's cell dies before it returns
+        else:  # rank 0 is told first, as gloo tells a survivor (its peer's socket
+            # closed) before the scheduler hears of the death: the executor learns of
+            # the loss from the failed member, not from a look at the workers
+            work.jobs[0][0].fut.set_exception(RuntimeError("Connection closed by peer"))
+        os.kill(cells.pids()[before[1]], signal.SIGKILL)
+        _until(ex, seen, lambda e: isinstance(e, StepFinished) or len(work.plans) > 1)
+        if not commit_first:
+            retry = work.plans[1]
+            for job in work.jobs[1]:
+                job.fut.set_result(TrainedStep(retry.step, retry.version + 1, "", {}))
+            _until(ex, seen, lambda e: isinstance(e, StepFinished))
+        return work, seen, ex, before
 
 
 def test_a_healed_member_joins_a_new_generation_once_it_is_ready(tmp_path):
@@ -212,39 +226,19 @@ def test_a_step_over_a_cell_lost_between_steps_waits_for_its_heal(tmp_path):
     """The coordinator books a step with the cells it knows; one of them was lost after the
     last step and heals now. The step is submitted once the cell is back (on its new worker,
     its preload in), as a new generation, not at once with the dead worker as a member."""
-    store = Store(str(tmp_path / "store"))
-    with start_cells(2, threads_per_cell=1, rollout_slots=1, harness_slots=1,
-                     preload=(SLOW,)) as cells:  # fmt: skip
-        work = StepWork(cells)
-        ex = Executor(
-            cells, NoGateway(), store, RUN, work, EngineSpec(model_dir="unused"),
-            step_timeout_s=60, heal_timeout_s=120, watch_s=3.0,
-        )  # fmt: skip
-        try:
-            ex.start(("train", "train"), "test")
-            seen: list = []
-            ex.apply(StartRollouts(0, 1), "test")
-            _until(ex, seen, lambda e: isinstance(e, RolloutFinished))
-            before, gen = list(ex.addrs), ex.generation
-            os.kill(cells.pids()[before[1]], signal.SIGKILL)
-            deadline = time.monotonic() + 120
-            while not ex.membership.is_lost(1):  # the executor saw it go
-                assert time.monotonic() < deadline, seen
-                seen += ex.events(timeout=0.2)
-            ex.apply(StartStep((0, 1), 1), "test")  # booked with the healing cell
-            deadline = time.monotonic() + 180
-            while not work.plans:
-                assert time.monotonic() < deadline, seen
-                seen += ex.events(timeout=0.2)
-            (plan,) = work.plans
-            assert ex.addrs[1] != before[1]  # healed onto the restarted worker
-            assert plan.workers == (before[0], ex.addrs[1]), (plan.workers, before)
-            assert plan.generation > gen
-            (done, submitted) = work.preloaded[0][ex.addrs[1]]
-            assert done is not None and done <= submitted, work.preloaded[0]
-            for job in work.jobs[0]:
-                job.fut.set_result(TrainedStep(plan.step, plan.version + 1, "", {}))
-            _until(ex, seen, lambda e: isinstance(e, StepFinished))
-            assert ex.version == 1 and len(work.plans) == 1
-        finally:
-            ex.close()
+    with _two_train_cells(tmp_path, (SLOW,)) as (cells, work, ex, seen):
+        before, gen = list(ex.addrs), ex.generation
+        os.kill(cells.pids()[before[1]], signal.SIGKILL)
+        _wait(ex, seen, lambda: ex.membership.is_lost(1), 120)  # the executor saw it go
+        ex.apply(StartStep((0, 1), 1), "test")  # booked with the healing cell
+        _wait(ex, seen, lambda: bool(work.plans))
+        (plan,) = work.plans
+        assert ex.addrs[1] != before[1]  # healed onto the restarted worker
+        assert plan.workers == (before[0], ex.addrs[1]), (plan.workers, before)
+        assert plan.generation > gen
+        (done, submitted) = work.preloaded[0][ex.addrs[1]]
+        assert done is not None and done <= submitted, work.preloaded[0]
+        for job in work.jobs[0]:
+            job.fut.set_result(TrainedStep(plan.step, plan.version + 1, "", {}))
+        _until(ex, seen, lambda e: isinstance(e, StepFinished))
+        assert ex.version == 1 and len(work.plans) == 1

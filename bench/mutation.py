@@ -124,6 +124,7 @@ DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "Makefile", "constraint
 # and the bench then reports the mutant as survived again, to be triaged again.
 _PROBE = "the self-check's probe data: the template's verdict is the same with it"
 _CASE = "an error message in other case: the same ServedError on the same condition (wording)"
+_PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
 EQUIVALENT: dict[str, str] = {
     "storage.lease.xǁ_Fileǁwrite__mutmut_53": _LOG
@@ -151,6 +152,11 @@ EQUIVALENT: dict[str, str] = {
     "tasks.train.dp.xǁDPGroupǁbroadcast_state__mutmut_22": "t.to(None) for t.to(self.device):"
     " on gloo the device is the CPU, where both return t itself; on NCCL the tensor would stay"
     " on the CPU and the broadcast fail, which only a GPU run (no fast test) can see",
+    "infra.cells.zygote.x__set_name__mutmut_14": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_21": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_22": _PRCTL,
+    "infra.cells.zygote.x_start_zygote__mutmut_58": "forkserver.main's preload None for []:"
+    " it only tests `if preload:`, and both skip the imports",
     "tasks.train_step.x_restore_sharded__mutmut_30": "the n_steps default None for 0: every"
     " writer of trainer_state.json (Trainer.save, sharded.save_consolidated) writes n_steps,"
     " so the default is never read",

@@ -152,6 +152,9 @@ EQUIVALENT: dict[str, str] = {
     "tasks.train.dp.xǁDPGroupǁbroadcast_state__mutmut_22": "t.to(None) for t.to(self.device):"
     " on gloo the device is the CPU, where both return t itself; on NCCL the tensor would stay"
     " on the CPU and the broadcast fail, which only a GPU run (no fast test) can see",
+    "tasks.sched.bound.x__programme__mutmut_61": "the window loop from 0 for from p: an"
+    " iteration q < p neither moves s or prev (only q > p does) nor emits a state (only"
+    " q >= lo_q >= p does), so the states and bounds are the same",
     "infra.cells.zygote.x__set_name__mutmut_14": _PRCTL,
     "infra.cells.zygote.x__set_name__mutmut_21": _PRCTL,
     "infra.cells.zygote.x__set_name__mutmut_22": _PRCTL,

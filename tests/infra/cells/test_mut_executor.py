@@ -1,0 +1,283 @@
+"""The executor's books and its ``cells`` rows, where generated mutants survived the fast
+suite (bench/mutation.py, issue 26): the fast tests of infra/cells/executor.py (placement,
+pins, role switches on a real cluster) never ran a step, a decided weight load or a lost
+cell in the test process, so what those write was pinned by nothing.
+
+What must hold, as a user reads it in the ``cells`` dataset and the run's events:
+- a step writes one ``step`` row per member cell (``step N gen G``) and, when it ends, one
+  ``step_done`` row per member (``step N -> vN+1``, reason empty, ``seconds`` the step's
+  time), and ``StepFinished.seconds`` is the time of the step that just ended;
+- a decided weight load is answered with ``WeightsLoaded`` carrying its measured seconds
+  (at least the paced load time) and writes a ``load_weights`` row whose ``load_s`` is the
+  load's own time, even on a cell whose engine the executor has not started;
+- a move to train writes its ``role`` row with the gateway's withdrawal figures (the
+  sessions moved, the KV moved), not the cell's id;
+- a lost cell is written as ``lost`` with its worker, and one that no worker replaces
+  stops the run naming that worker;
+- a group's end and its processing result run on the executor's own named threads.
+
+Unit level: a real ``Executor`` over a small stand-in for the project's own ``Cells`` (its
+verbs only: no Dask worker), a stand-in gateway and a ``Work`` whose jobs are done at once;
+the rows are read back from a real store, as SQL reads them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from infra.cells.cluster import ROLES
+from infra.cells.executor import EngineSpec, Executor, ExecutorError
+from storage.store import Store
+from tasks.sched.coordinator import (
+    LoadWeights,
+    Move,
+    MoveDone,
+    RolloutFinished,
+    StartRollouts,
+    StartStep,
+    StepFinished,
+    WeightsLoaded,
+)
+
+BASE = 2000
+LOAD_S = 0.05  # the stand-in engine's weight load, seconds
+
+
+def addr(i: int) -> str:
+    return f"tcp://127.0.0.1:{BASE + i}"
+
+
+class StandInCells:
+    """The ``Cells`` verbs the executor uses; ``alive``: the workers the scheduler knows."""
+
+    def __init__(self, n: int):
+        self.roles = {addr(i): "idle" for i in range(n)}
+        self.alive = set(self.roles)
+        self.ran: list[tuple[str, str]] = []
+
+    def cell_id(self, address: str) -> str:
+        return f"c{int(address.rsplit(':', 1)[1]) - BASE}"
+
+    def run_on(self, address: str, fn, *args, **kwargs):
+        name = getattr(fn, "__name__", str(fn))
+        self.ran.append((address, name))
+        if name == "start_engine":
+            return f"http://{address[6:]}/engine"
+        if name == "load_weights":
+            time.sleep(LOAD_S)
+            return {"success": True}
+        return None
+
+    def set_role(self, address: str, role: str) -> None:
+        if role not in ROLES:  # as Cells.set_role refuses
+            raise ValueError(f"role {role!r}")
+        self.roles[address] = role
+
+    def workers(self) -> set[str]:
+        return set(self.alive)
+
+    def task_states(self, keys):
+        return {}
+
+    def task_state(self, key):
+        return "unknown"
+
+
+class StandInGateway:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.withdrawal = {"cell_id": "c0", "sessions_moved": 2, "kv_moves": 1}
+
+    def add_engine(self, cell_id: str, url: str) -> None:
+        self.calls.append(("add", cell_id, url))
+
+    def remove_engine(self, cell_id: str, drain_timeout: float, targets: dict) -> dict:
+        self.calls.append(("remove", cell_id))
+        return dict(self.withdrawal)
+
+    def drop_engine(self, cell_id: str) -> None:
+        self.calls.append(("drop", cell_id))
+
+    def end_session(self, session_id: str) -> None:
+        self.calls.append(("end", session_id))
+
+    def flush(self) -> None:
+        self.calls.append(("flush",))
+
+    def group_sessions(self, group_id: str) -> list:
+        return []
+
+
+class DoneJob:
+    """A job that is already done; ``threads`` gets the name of each thread that reads
+    its result (``what``: whose result)."""
+
+    def __init__(self, value: Any, what: str, threads: list[tuple[str, str]]):
+        self.value, self.what, self.threads = value, what, threads
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        self.threads.append((self.what, threading.current_thread().name))
+        return self.value
+
+    def add_done_callback(self, fn) -> None:
+        fn()  # as a done future does
+
+    def cancel(self) -> None:
+        pass
+
+
+@dataclass
+class Processed:
+    samples_segment: str | None = None
+    version_min: int = 0
+
+
+@dataclass
+class MemberResult:
+    step: int
+    weight_version: int
+    checkpoint: str = ""
+
+
+class InstantWork:
+    """Rollouts with no sessions, processing with no samples, steps whose members end at
+    once at the next version (each plan kept)."""
+
+    def __init__(self):
+        self.threads: list[tuple[str, str]] = []
+        self.plans: list = []
+
+    def rollout(self, index: int, cell_id: str) -> DoneJob:
+        return DoneJob([], "rollout", self.threads)
+
+    def process(self, index, sessions, version, workers=()) -> DoneJob:
+        return DoneJob(Processed(), "process", self.threads)
+
+    def step(self, plan) -> list[DoneJob]:
+        self.plans.append(plan)
+        r = MemberResult(plan.step, plan.version + 1)
+        return [DoneJob(r, "member", self.threads) for _ in plan.members]
+
+
+@pytest.fixture
+def rig(tmp_path):
+    cells, gw, work = StandInCells(2), StandInGateway(), InstantWork()
+    store = Store(str(tmp_path / "store"))
+    ex = Executor(cells, gw, store, "mut", work, EngineSpec("none"), watch_s=0.0, weight_load_s=0.2)
+    yield SimpleNamespace(ex=ex, cells=cells, gw=gw, work=work, store=store)
+    ex.close()
+
+
+def until(ex: Executor, want, timeout: float = 60.0) -> list:
+    """The executor's events until one satisfies ``want`` (bounded)."""
+    seen: list = []
+    deadline = time.monotonic() + timeout
+    while not any(want(e) for e in seen):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s; saw {seen}"
+        seen += ex.events(timeout=0.2)
+    return seen
+
+
+def rows(ex: Executor, store: Store, event: str) -> list[dict]:
+    assert ex.log.flush(timeout=30)
+    return [r for r in store.read("cells").to_pylist() if r["event"] == event]
+
+
+def test_a_step_writes_its_rows_and_reports_the_time_of_the_step_that_ended(rig):
+    ex, work, store = rig.ex, rig.work, rig.store
+    ex.start(("rollout", "train"), "test")
+    finished = []
+    for step in range(3):
+        ex.apply(StartRollouts(0, 1), "test")
+        until(ex, lambda e: isinstance(e, RolloutFinished))
+        ex.apply(StartStep((1,), 1), "test")
+        time.sleep(0.05 * (3 - step))  # the steps' times differ: the first is the longest
+        finished += [
+            e
+            for e in until(ex, lambda e: isinstance(e, StepFinished))
+            if isinstance(e, StepFinished)
+        ]
+    assert ex.version == 3 and [p.step for p in work.plans] == [0, 1, 2]
+    started = rows(ex, store, "step")
+    assert [(r["cell_id"], r["detail"]) for r in started] == [
+        ("c1", "step 0 gen 0"),
+        ("c1", "step 1 gen 0"),
+        ("c1", "step 2 gen 0"),
+    ]
+    done = rows(ex, store, "step_done")
+    assert [(r["cell_id"], r["detail"], r["reason"]) for r in done] == [
+        ("c1", "step 0 -> v1", ""),
+        ("c1", "step 1 -> v2", ""),
+        ("c1", "step 2 -> v3", ""),
+    ]
+    assert [e.cells for e in finished] == [(1,)] * 3
+    # each event's seconds is its own step's (the row's), not another step's
+    assert [e.seconds for e in finished] == pytest.approx([r["seconds"] for r in done], abs=1e-3)
+    assert finished[0].seconds != pytest.approx(finished[2].seconds, abs=1e-3)
+
+
+def test_a_decided_load_reports_its_seconds_and_writes_its_own_load_time(rig):
+    ex, cells, store = rig.ex, rig.cells, rig.store
+    ex.start(("train", "train"), "test")  # no engine started on any cell yet
+    t0 = time.monotonic()
+    ex.apply(LoadWeights(0, 0), "test")
+    seen = until(ex, lambda e: isinstance(e, WeightsLoaded))
+    took = time.monotonic() - t0
+    (loaded,) = [e for e in seen if isinstance(e, WeightsLoaded)]
+    assert (loaded.cell, loaded.version) == (0, 0)
+    assert loaded.seconds is not None and 0.2 <= loaded.seconds <= took + 0.05  # paced 0.2 s
+    assert (addr(0), "load_weights") in cells.ran
+    (row,) = rows(ex, store, "load_weights")
+    assert (row["cell_id"], row["role"], row["detail"]) == ("c0", "rollout", "v0")
+    assert LOAD_S <= row["load_s"] < 1.0, row  # the load's own time, nothing added
+    assert row["seconds"] >= 0.2
+
+
+def test_a_move_to_train_writes_the_withdrawal_figures_not_the_cell_id(rig):
+    ex, cells, gw, store = rig.ex, rig.cells, rig.gw, rig.store
+    ex.start(("rollout", "rollout"), "test")
+    ex.apply(Move(0, "train"), "test: recruit")
+    until(ex, lambda e: isinstance(e, MoveDone))
+    assert ex.roles[0] == "train" and cells.roles[addr(0)] == "train"
+    assert ("remove", "c0") in gw.calls
+    (row,) = [r for r in rows(ex, store, "role") if r["role"] == "train"]
+    assert row["detail"] == "sessions_moved=2, kv_moves=1"
+    assert row["reason"] == "test: recruit"
+
+
+def test_a_lost_cell_is_written_and_one_never_replaced_stops_the_run_naming_its_worker(tmp_path):
+    cells, gw, work = StandInCells(2), StandInGateway(), InstantWork()
+    store = Store(str(tmp_path / "store"))
+    ex = Executor(
+        cells, gw, store, "mut", work, EngineSpec("none"), watch_s=0.0, heal_timeout_s=0.3
+    )
+    try:
+        ex.start(("rollout", "train"), "test")
+        cells.alive.discard(addr(1))
+        with pytest.raises(ExecutorError, match=r"cell 1 \(worker tcp://127\.0\.0\.1:2001\)"):
+            until(ex, lambda e: False, timeout=30)
+        assert ex.stats.cells_lost == 1
+        (row,) = rows(ex, store, "lost")
+        assert (row["cell_id"], row["role"], row["detail"]) == ("c1", "train", f"worker {addr(1)}")
+    finally:
+        ex.close()
+
+
+def test_a_groups_end_and_its_processing_result_run_on_the_executors_named_threads(rig):
+    ex, work = rig.ex, rig.work
+    ex.start(("rollout", "train"), "test")
+    ex.apply(StartRollouts(0, 2), "test")
+    seen = until(ex, lambda e: isinstance(e, RolloutFinished))
+    if sum(isinstance(e, RolloutFinished) for e in seen) < 2:
+        until(ex, lambda e: isinstance(e, RolloutFinished))
+    names = {(what, name.rsplit("_", 1)[0]) for what, name in work.threads}
+    assert names == {("rollout", "gyre-exec-end"), ("process", "gyre-exec-result")}, names

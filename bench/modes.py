@@ -237,7 +237,8 @@ def run_mode(cells, st_obj, model_dir: str, cfg, run_id: str) -> dict[str, Any]:
     moves = move_costs(
         query(
             st_obj,
-            f"SELECT event, role, seconds, wait_s, drain_s, park_s, start_s, load_s FROM cells "
+            f"SELECT event, role, seconds, wait_s, drain_s, park_s, start_s, load_s, "
+            f"dispatch_s, form_s, sync_s, train_s, commit_s FROM cells "
             f"WHERE run_id = '{rid}' AND event IN ('role', 'load_weights', 'step_done')",
         ).to_pylist()
     )
@@ -325,6 +326,7 @@ def move_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     kind = {("role", "train"): "to_train", ("role", "rollout"): "to_rollout"}
     out: dict[str, dict[str, float]] = {}
     parts = ("seconds", "wait_s", "drain_s", "park_s", "start_s", "load_s")
+    parts += ("dispatch_s", "form_s", "sync_s", "train_s", "commit_s")  # step_done rows
     for name in ("to_train", "to_rollout", "load_weights", "step_done"):
         mine = [x for x in rows if kind.get((x["event"], x["role"]), x["event"]) == name]
         for p in parts:

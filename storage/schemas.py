@@ -174,6 +174,12 @@ CELLS_SCHEMA = pa.schema(
         ("park_s", pa.float64()),  # the engine parked (KV freed)
         ("start_s", pa.float64()),  # the engine started (a cell that had none)
         ("load_s", pa.float64()),  # weights loaded into the engine (fetch and swap)
+        # a `step_done` row's parts, this member's own (tasks/train_step.py member_step)
+        ("dispatch_s", pa.float64()),  # the step's start to this member's (submit, schedule)
+        ("form_s", pa.float64()),  # its DP group formed (0: the generation was kept)
+        ("sync_s", pa.float64()),  # its state brought to the step's version
+        ("train_s", pa.float64()),  # samples read, forward, backward, reduce (paced included)
+        ("commit_s", pa.float64()),  # rank 0: checkpoint staged, step committed
     ]
 )
 

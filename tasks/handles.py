@@ -63,9 +63,18 @@ class ProcessedStep:
 
 @dataclass(frozen=True)
 class TrainedStep:
-    """One optimizer step: the version it published and its metrics (``train/...``)."""
+    """One optimizer step: the version it published and its metrics (``train/...``).
+
+    ``costs``: this member's own measured parts of the step (``member_step``): ``begin_t``
+    (wall clock: the member's start), ``form_s`` (its DP group formed: 0 when the
+    generation was kept), ``sync_s`` (its state brought to the step's version: kept,
+    broadcast or the checkpoint), ``train_s`` (its samples read, forward, backward, the
+    reduction, paced device time included), ``commit_s`` (rank 0: the checkpoint staged and
+    the step committed).
+    """
 
     step: int
     weight_version: int
     checkpoint: str
     metrics: dict[str, float] = field(default_factory=dict)
+    costs: dict[str, float] = field(default_factory=dict)

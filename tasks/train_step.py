@@ -351,6 +351,7 @@ def member_step(
     t0 = time.time()
     t_mono = time.monotonic()
     rv = plan.rendezvous(rank)
+    form_s = 0.0
     if holder.dp is None or holder.dp.rv != rv:
         if holder.dp is not None:
             holder.dp.close()
@@ -362,9 +363,11 @@ def member_step(
             timeout_s=timeout_s,
             local_host=host_of(where) if where else None,
         )
+        form_s = time.monotonic() - t_mono
         if holder.trainer is not None and sharded.is_sharded(holder.trainer):
             holder.trainer = None  # its FSDP mesh belonged to the group just closed
     group = holder.dp
+    t_sync = time.monotonic()
     run = (store.url, run_id)
     mine = holder.trainer if getattr(holder, "trainer_run", None) == run else None
     fsdp = cfg.sharding == "fsdp"
@@ -380,6 +383,8 @@ def member_step(
             lambda: restore_trainer(store, run_id, plan.version, cfg),
         )
     holder.trainer, holder.trainer_run = trainer, run
+    costs = {"begin_t": t0, "form_s": form_s, "sync_s": time.monotonic() - t_sync}
+    t_train = time.monotonic()
     samples = [s for seg in plan.segments for s in load_samples(store, seg)]
     samples.sort(key=lambda s: s.sample_id)  # the same order on every member
     random.Random(plan.shuffle_seed).shuffle(samples)
@@ -437,12 +442,18 @@ def member_step(
     metrics["train/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
     metrics["train/dropped_stale_tokens"] = float(dropped)
     metrics["train/dp_sync"] = SYNC_CODES[how]
+    costs["train_s"] = time.monotonic() - t_train
+    t_commit = time.monotonic()
     staged = stage_sharded(store, run_id, trainer) if fsdp else None
     if rank != 0:
         return TrainedStep(
-            step=plan.step, weight_version=trainer.version, checkpoint="", metrics=metrics
+            step=plan.step,
+            weight_version=trainer.version,
+            checkpoint="",
+            metrics=metrics,
+            costs=costs,
         )
-    return commit_step(
+    out = commit_step(
         store,
         run_id,
         plan.step,
@@ -456,6 +467,8 @@ def member_step(
         mode=mode,
         staged=staged,
     )
+    costs["commit_s"] = time.monotonic() - t_commit
+    return replace(out, costs=costs)
 
 
 def _paced(group: dp.DPGroup, started: float, device_s: float):

@@ -827,9 +827,10 @@ class Executor(Healing):
             raise ExecutorError(f"step {plan.step}: members ended at versions {versions}")
         self.version = plan.version + 1
         secs = time.time() - self.step_t0  # its start to its last member's end, retries too
-        for i in self.step_cells:
-            detail = f"step {plan.step} -> v{self.version}"
-            self.record(i, "step_done", "train", "", detail, {"seconds": secs})
+        detail = f"step {plan.step} -> v{self.version}"
+        for k, i in enumerate(self.step_cells):  # member k's result (a healed step: one)
+            r = results[k] if k < len(results) else None
+            self.record(i, "step_done", "train", "", detail, step_costs(r, self.step_t0, secs))
         self.stats.steps += 1
         self.stats.step_s.append(secs)
         self.stats.step_pace_s.append(plan.pace_s)
@@ -845,6 +846,19 @@ class Executor(Healing):
             except Exception as exc:  # best effort, for the report
                 out[self.cell_id(i)] = {"error": str(exc)}
         return out
+
+
+def step_costs(result: Any, t0: float, seconds: float) -> dict[str, float]:
+    """A member's ``step_done`` costs: the step's ``seconds`` and the member's own parts
+    (``TrainedStep.costs``): ``dispatch_s`` from the step's start (``t0``, wall clock) to
+    the member's (its task submitted, scheduled, started: clock skew between hosts shows
+    here, so never below 0), ``form_s``, ``sync_s``, ``train_s``, ``commit_s`` (rank 0)."""
+    own = getattr(result, "costs", None) or {}
+    out = {"seconds": seconds}
+    if "begin_t" in own:
+        out["dispatch_s"] = max(0.0, own["begin_t"] - t0)
+    out |= {k: own[k] for k in ("form_s", "sync_s", "train_s", "commit_s") if k in own}
+    return out
 
 
 def steady_cells(

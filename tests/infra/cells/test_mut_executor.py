@@ -6,7 +6,9 @@ cell in the test process, so what those write was pinned by nothing.
 What must hold, as a user reads it in the ``cells`` dataset and the run's events:
 - a step writes one ``step`` row per member cell (``step N gen G``) and, when it ends, one
   ``step_done`` row per member (``step N -> vN+1``, reason empty, ``seconds`` the step's
-  time), and ``StepFinished.seconds`` is the time of the step that just ended;
+  time, the member's own parts: dispatch from the step's start, DP formation, state sync,
+  training, rank 0's commit), and ``StepFinished.seconds`` is the time of the step that
+  just ended;
 - a decided weight load is answered with ``WeightsLoaded`` carrying its measured seconds
   (at least the paced load time) and writes a ``load_weights`` row whose ``load_s`` is the
   load's own time, even on a cell whose engine the executor has not started;
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,6 +148,7 @@ class MemberResult:
     step: int
     weight_version: int
     checkpoint: str = ""
+    costs: dict = field(default_factory=dict)
 
 
 class InstantWork:
@@ -155,6 +158,7 @@ class InstantWork:
     def __init__(self):
         self.threads: list[tuple[str, str]] = []
         self.plans: list = []
+        self.begin_t: list[float] = []
 
     def rollout(self, index: int, cell_id: str) -> DoneJob:
         return DoneJob([], "rollout", self.threads)
@@ -164,8 +168,13 @@ class InstantWork:
 
     def step(self, plan) -> list[DoneJob]:
         self.plans.append(plan)
-        r = MemberResult(plan.step, plan.version + 1)
-        return [DoneJob(r, "member", self.threads) for _ in plan.members]
+        # the member's own parts (tasks/train_step.py member_step): it starts 0.1 s after
+        # the step was submitted
+        own = {"begin_t": time.time() + 0.1, "form_s": 0.25, "sync_s": 0.5, "train_s": 1.5}
+        rs = [MemberResult(plan.step, plan.version + 1, costs=dict(own)) for _ in plan.members]
+        rs[0].costs["commit_s"] = 0.75
+        self.begin_t.append(own["begin_t"])
+        return [DoneJob(r, "member", self.threads) for r in rs]
 
 
 @pytest.fixture
@@ -220,6 +229,11 @@ def test_a_step_writes_its_rows_and_reports_the_time_of_the_step_that_ended(rig)
         ("c1", "step 2 -> v3", ""),
     ]
     assert [e.cells for e in finished] == [(1,)] * 3
+    # each member's own parts of the step, in its row: dispatch from the step's start
+    for r, st, begin in zip(done, started, work.begin_t, strict=True):
+        assert 0.1 <= r["dispatch_s"] <= begin - st["t"] + 1e-3, (r, st["t"], begin)
+        parts = (r["form_s"], r["sync_s"], r["train_s"], r["commit_s"])
+        assert parts == (0.25, 0.5, 1.5, 0.75), r
     # each event's seconds is its own step's (the row's), not another step's
     assert [e.seconds for e in finished] == pytest.approx([r["seconds"] for r in done], abs=1e-3)
     assert finished[0].seconds != pytest.approx(finished[2].seconds, abs=1e-3)

@@ -266,7 +266,6 @@ class Executor(Healing):
         # end: one flush at a time) and for processing results (in the order they end)
         self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-exec-end")
         self._results = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-exec-result")
-        self._moves = [0] * len(self.addrs)  # role changes decided per cell (processing)
         self.log = CellsLog(store, on_error=lambda exc: self._q.put(("error", "cells row", exc)))
         self._lock = threading.Lock()
         self._pins: dict[int, threading.Event] = {}  # cells held for an evaluation
@@ -421,16 +420,18 @@ class Executor(Healing):
     def process_addrs(self) -> tuple[str, ...]:
         """Where a finished group's processing goes: the rollout cells with no weight load
         decided or under way (all rollout cells if every one has: a load is short, a step
-        or a role change is not), of those the ones moved least often so far (elastic's
-        core, async's rollout side, every cell of colocate between its steps); none
+        or a role change is not), any of them (Dask takes the least occupied); none
         (anywhere) when no cell rolls out. A cell on its way between roles is never one: a
         drain, a park, a weight load are ``Client.run`` calls, not tasks, so Dask sees a
         cell busy with them as free, and a train cell as one task on its threads: unplaced,
-        processing could wait behind any of them, or run beside a step."""
+        processing could wait behind any of them, or run beside a step. Not only the cells
+        moved least often (elastic's core): at 8 cells the core is one cell, and every
+        group's processing queued there (3.1 s a group live on hard_waves.yaml, 0.6-1.3 s
+        in the fixed splits, BENCHMARKS.md)."""
         with self._lock:
             busy = set(self._acting) | set(self._load_t)
         lost = {i for i in range(len(self.addrs)) if self.membership.is_lost(i)}
-        return tuple(self.addrs[i] for i in steady_cells(self.roles, busy, lost, self._moves))
+        return tuple(self.addrs[i] for i in steady_cells(self.roles, busy, lost))
 
     def _off_loop(self, pool: ThreadPoolExecutor, fn: Callable[[int], None], idx: int) -> None:
         """A job's done callback (on Dask's or the submit thread): ``fn(idx)`` on ``pool``;
@@ -578,7 +579,6 @@ class Executor(Healing):
         i = d.cell
         t = time.time()
         self.stats.switches += 1
-        self._moves[i] += 1
         # mirror the coordinator's books: the cell's groups now belong to the reroute targets
         # and the gateway moves each group's sessions to that cell (not the least-loaded one)
         targets = [c for c, n in d.reroute for _ in range(n)]
@@ -861,18 +861,12 @@ def step_costs(result: Any, t0: float, seconds: float) -> dict[str, float]:
     return out
 
 
-def steady_cells(
-    roles: list[str], busy: set[int], lost: set[int], moves: list[int]
-) -> tuple[int, ...]:
-    """The cells ``Executor.process_addrs`` places processing on: of the rollout cells not
-    lost, those with no action (``busy``: a weight load decided or under way; all of them if
-    every one is busy), and of those the ones with the fewest role changes (``moves``)."""
+def steady_cells(roles: list[str], busy: set[int], lost: set[int]) -> tuple[int, ...]:
+    """The cells ``Executor.process_addrs`` places processing on: the rollout cells not
+    lost with no action (``busy``: a weight load decided or under way), or all the rollout
+    cells not lost if every one is busy."""
     rollout = [i for i, role in enumerate(roles) if role == "rollout" and i not in lost]
-    steady = [i for i in rollout if i not in busy] or rollout
-    if not steady:
-        return ()
-    least = min(moves[i] for i in steady)
-    return tuple(i for i in steady if moves[i] == least)
+    return tuple(i for i in rollout if i not in busy) or tuple(rollout)
 
 
 def together(pool: ThreadPoolExecutor, main: Callable[[], Any], *side: Callable[[], Any]) -> Any:

@@ -4,8 +4,8 @@ gateway; rollouts that end at once (their sessions are not under test).
 
 - Processing goes to the steady rollout cells (``Executor.process_addrs``, handed to the
   ``Work`` port): never a cell on its way between roles nor a train cell, a cell with a
-  weight load decided only when every rollout cell has one, and of the rest those moved
-  least (elastic's core); Dask would see a cell busy draining, parking or loading as free
+  weight load decided only when every rollout cell has one, any of the rest (a cell
+  back from training too: not only elastic's core); Dask would see a cell busy draining, parking or loading as free
   (those are ``Client.run`` calls, not tasks).
 - Every role change and decided weight load writes its measured parts into its ``cells``
   row (``seconds``, ``wait_s``, ``drain_s``, ``park_s``, ``load_s``).
@@ -120,9 +120,9 @@ def test_processing_goes_to_steady_rollout_cells_and_moves_record_their_costs(tm
             publish_checkpoint(store, run_id, model_dir, 3)
             ex.apply(Move(1, "rollout"), "test: cell 1 back to rollout")
             _until(ex, lambda e: isinstance(e, MoveDone) and e.cell == 1)
-            assert ex.process_addrs() == (a[0],)  # cell 1 rolls out, but it has moved
+            assert ex.process_addrs() == (a[0], a[1])  # cell 1 rolls out again: steady
             ex.apply(Move(0, "train"), "test: the never-moved cell goes too")
-            assert ex.process_addrs() == (a[1],)  # then the least-moved steady one
+            assert ex.process_addrs() == (a[1],)  # the one steady rollout cell left
             ex.apply(StartRollouts(1, 1), "test")
             _until(ex, lambda e: isinstance(e, RolloutFinished) and e.cell == 1)
             assert work.placed[-1] == (a[1],)

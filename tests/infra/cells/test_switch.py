@@ -44,13 +44,14 @@ class ThreadWork:
     """Real sessions (the rollout task's body, on threads here instead of Prefect tasks);
     processing is not under test here and returns an empty handle."""
 
-    def __init__(self, gw: Gateway, store: Store, run_id: str):
+    def __init__(self, gw: Gateway, store: Store, run_id: str, subtasks: int = RCFG.subtasks):
         self.gw, self.store, self.run_id = gw, store, run_id
+        self.subtasks = subtasks  # each a turn: a session's length, at 0.15 s env steps
         self.pool = cf.ThreadPoolExecutor(8)
 
     def rollout(self, index: int, cell_id: str) -> FutureJob:
         spec = GroupSpec(
-            index, f"g{index}", 100 + index, RCFG.subtasks, env_step_s=0.15, cell_id=cell_id
+            index, f"g{index}", 100 + index, self.subtasks, env_step_s=0.15, cell_id=cell_id
         )
         return FutureJob(
             self.pool.submit(
@@ -96,7 +97,9 @@ def test_switches_with_live_sessions_lose_no_call(tmp_path):
             spool_dir=str(tmp_path / "spool"),
         )
         gw.start()
-        work = ThreadWork(gw, store, run_id)
+        # sessions of 30 turns (~10 s), so both of g1's are still live when the withdrawal
+        # comes even on a slowed machine (10 turns: one had ended under mutmut's trampoline)
+        work = ThreadWork(gw, store, run_id, subtasks=30)
         engine = EngineSpec(model_dir=model_dir, decode_step_s=0.03, prefill_tokens_per_s=20000)
         ex = Executor(cells, gw, store, run_id, work, engine, version=0, drain_timeout_s=30)
         try:
@@ -188,7 +191,9 @@ def test_a_withdrawn_cells_groups_go_where_the_move_reroutes_them(tmp_path):
             spool_dir=str(tmp_path / "spool"),
         )
         gw.start()
-        work = ThreadWork(gw, store, run_id)
+        # sessions of 30 turns (~10 s), so both of g1's are still live when the withdrawal
+        # comes even on a slowed machine (10 turns: one had ended under mutmut's trampoline)
+        work = ThreadWork(gw, store, run_id, subtasks=30)
         engine = EngineSpec(model_dir=model_dir, decode_step_s=0.03, prefill_tokens_per_s=20000)
         ex = Executor(cells, gw, store, run_id, work, engine, version=0, drain_timeout_s=30)
         try:
@@ -198,7 +203,7 @@ def test_a_withdrawn_cells_groups_go_where_the_move_reroutes_them(tmp_path):
                 ex.apply(d, "test")
             deadline = time.monotonic() + 120
             # both of g1's sessions sit on cell 1 once each has made a call (a session's
-            # first call places it; ten turns at 0.15 s env steps keep it live for seconds)
+            # first call places it; thirty turns keep it live for ~10 s)
             while not (
                 len(g1 := gw.group_sessions("g1")) == RCFG.group_size
                 and all(s["calls"] >= 1 for s in g1)

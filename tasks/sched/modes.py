@@ -285,13 +285,16 @@ class Elastic:
     def _explore(self, s: SchedState, m: int) -> int:
         """A second DP size while every measured step had the same one (``Costs.sizes``):
         one size cannot tell per-sample from per-member cost, and the guess's split
-        stays all run (its best size with it). The next size up, else down."""
+        stays all run (its best size with it). The next size up (a cheap recruit), else
+        down; down first where round trips are counted in sizing (``_trips_counted``):
+        one size smaller costs a slower step, one larger a recruit's whole round trip."""
         c = s.costs
         if not self.explore or c is None or c.sizes != (m,):
             return m
-        if m + 1 <= len(s.cells) - self.core:
-            return m + 1
-        return max(1, m - 1)
+        up = m + 1 <= len(s.cells) - self.core
+        if m > 1 and (self._trips_counted(s) or not up):
+            return m - 1  # where a round trip costs (counted in sizing), a try needs no move
+        return m + 1 if up else m
 
     def _arrival(self, s: SchedState) -> float:
         """Seconds from a Move to training to the cell training: the run's measured drain

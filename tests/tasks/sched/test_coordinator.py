@@ -316,3 +316,25 @@ def test_coordinator_mean_duration_over_finishes():
     co.handle(RolloutFinished(0, 1))
     assert co.state().mean_duration == pytest.approx(200.0)  # (100 + 300) / 2
     assert co.duration_window == 2 * 2 * 4  # two pools' worth of slots
+
+
+def test_elastic_tries_a_second_dp_size_the_cheap_way():
+    """While every measured step had one size (``Costs.sizes``), a ready step is staffed
+    one size off, so the cost fit can tell per-sample from per-member cost. Which way: up
+    while a round trip is cheap (20 s here, under 5 % of the 1 h cap: a recruit costs
+    little), down where it is counted in sizing (1,200 s: one larger would recruit a cell
+    for a whole trip; one smaller costs only a slower step); never below 1 member or past
+    the non-core cells; once two sizes are measured, the size stands."""
+    cells = [CellView(i, "rollout") for i in range(8)]  # core 2: at most 6 members
+    pol = elastic(trip_in_sizing=True)
+
+    def tried(m, sizes, drain, back):
+        costs = Costs(10.0, 1.0, drain_s=drain, to_rollout_s=back, sizes=sizes)
+        return pol._explore(state(cells, costs=costs), m)
+
+    assert tried(3, (3,), 10.0, 10.0) == 4
+    assert tried(3, (3,), 600.0, 600.0) == 2
+    assert tried(1, (1,), 600.0, 600.0) == 2  # cannot go down
+    assert tried(6, (6,), 10.0, 10.0) == 5  # cannot go up
+    assert tried(3, (3, 5), 600.0, 600.0) == 3
+    assert elastic(explore=False)._explore(state(cells, costs=Costs(10.0, 1.0, sizes=(3,))), 3) == 3

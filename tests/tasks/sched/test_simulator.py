@@ -311,3 +311,20 @@ def test_a_paced_workload_is_the_file_in_live_seconds():
         b = sim.run()
         assert b["hours"] == pytest.approx(a["hours"] * k, rel=1e-6), pol
         assert b["lag_mean"] == pytest.approx(a["lag_mean"]), pol
+
+
+def test_elastic_beats_the_best_split_where_switches_cost_most():
+    """bench/workloads/costly_switches.yaml (15 min role change, 5 min load) at 32 cells,
+    16 steps, lag <= 1: elastic at least the best streaming or batch split on the bench's
+    grid (issue 25's `worst_elastic_over_async_best` row; it was 0.990 while the second
+    DP size was tried by recruiting a cell for one step)."""
+    w = load_workload("bench/workloads/costly_switches.yaml").resized(32)
+    w = dataclasses.replace(w, steps=16)
+    el = simulate(presets.elastic(w, 1), w, seed=0)
+    best = max(
+        simulate(mode(w, k, 1), w, seed=0)["samples_per_hour"]
+        for k in sorted({presets.split_cells(w, f) for f in (0.5, 0.625, 0.75, 0.8, 0.875)})
+        for mode in (presets.async_stream, presets.async_batch)
+    )
+    assert el["lag_max"] <= 1
+    assert el["samples_per_hour"] >= best, (el["samples_per_hour"], best)

@@ -706,7 +706,7 @@ class Executor(Healing):
         self,
         i: int,
         version: int,
-        report: bool = True,
+        report: bool,
         t_decided: float | None = None,
         costs: dict[str, float] | None = None,
     ) -> None:

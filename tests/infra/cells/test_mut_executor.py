@@ -17,6 +17,12 @@ What must hold, as a user reads it in the ``cells`` dataset and the run's events
 - a lost cell is written as ``lost`` with its worker, and one that no worker replaces
   stops the run naming that worker;
 - a group's end and its processing result run on the executor's own named threads.
+- (a second sample) a step finished with one result (its commit found after a loss) still
+  writes a row per member; finished groups are counted once each; a failed ``cells`` row
+  and an event the loop does not know stop the run saying which; a move to rollout writes
+  the version it serves and the log says a drain's steps; a rollout row with no engine yet
+  has version -1; the timeline's times are the rows' since the run began; a heal asks for a
+  look at the workers at once.
 
 Unit level: a real ``Executor`` over a small stand-in for the project's own ``Cells`` (its
 verbs only: no Dask worker), a stand-in gateway and a ``Work`` whose jobs are done at once;
@@ -295,3 +301,171 @@ def test_a_groups_end_and_its_processing_result_run_on_the_executors_named_threa
         until(ex, lambda e: isinstance(e, RolloutFinished))
     names = {(what, name.rsplit("_", 1)[0]) for what, name in work.threads}
     assert names == {("rollout", "gyre-exec-end"), ("process", "gyre-exec-result")}, names
+
+
+# -- the second sample's survivors (bench/mutation.py on the source of stop 36) ----------
+
+
+class HeldJob(DoneJob):
+    """A member job that never ends by itself (a step that a loss interrupted)."""
+
+    def done(self) -> bool:
+        return False
+
+    def add_done_callback(self, fn) -> None:
+        pass
+
+
+class HeldStepWork(InstantWork):
+    def step(self, plan) -> list[DoneJob]:
+        self.plans.append(plan)
+        return [HeldJob(None, "member", self.threads) for _ in plan.members]
+
+
+def test_a_step_finished_with_one_result_writes_a_row_for_every_member(tmp_path):
+    """A step whose commit was found after a member's loss finishes with the committed
+    record alone (``Healing._retry``: one result for all its members): every member still
+    gets its ``step_done`` row, and the step is reported with all its cells."""
+    cells, gw, work = StandInCells(3), StandInGateway(), HeldStepWork()
+    ex = Executor(cells, gw, Store(str(tmp_path / "s")), "mut", work, EngineSpec("none"))
+    try:
+        ex.start(("rollout", "train", "train"), "test")
+        ex.apply(StartRollouts(0, 1), "test")
+        until(ex, lambda e: isinstance(e, RolloutFinished))
+        ex.apply(StartStep((1, 2), 1), "test")
+        assert [p.members for p in work.plans] and ex.events(timeout=0.1) == []  # held
+        out = ex._finish_step([MemberResult(0, 1, checkpoint="v1")])  # the committed record
+        assert out == [StepFinished((1, 2), seconds=out[0].seconds)] and ex.version == 1
+        done = rows(ex, ex.store, "step_done")
+        assert [(r["cell_id"], r["detail"]) for r in done] == [
+            ("c1", "step 0 -> v1"),
+            ("c2", "step 0 -> v1"),
+        ]
+    finally:
+        ex.close()
+
+
+def test_finished_groups_are_counted_once_each(rig):
+    ex = rig.ex
+    ex.start(("rollout", "train"), "test")
+    ex.apply(StartRollouts(0, 3), "test")
+    seen: list = []
+    while sum(isinstance(e, RolloutFinished) for e in seen) < 3:
+        seen += until(ex, lambda e: isinstance(e, RolloutFinished))
+    assert (ex.stats.groups_started, ex.stats.groups_done) == (3, 3)
+
+
+def test_a_failed_cells_row_stops_the_run_saying_what_failed(rig):
+    ex = rig.ex
+    ex.start(("rollout", "train"), "test")
+    ex.log.on_error(OSError("disk full"))  # as the cells log calls it when an append fails
+    with pytest.raises(ExecutorError, match=r"^cells row failed: disk full$"):
+        until(ex, lambda e: False, timeout=10)
+
+
+def test_an_event_the_loop_does_not_know_is_named_in_its_error(rig):
+    ex = rig.ex
+    ex._q.put(("bogus", 7))
+    with pytest.raises(ExecutorError, match=r"unknown executor event \('bogus', 7\)"):
+        until(ex, lambda e: False, timeout=10)
+
+
+def test_a_move_to_rollout_writes_the_version_it_serves(rig, caplog):
+    ex, store = rig.ex, rig.store
+    ex.start(("train", "train"), "test")
+    ex.apply(Move(1, "rollout"), "test: lend")
+    until(ex, lambda e: isinstance(e, MoveDone))
+    (row,) = [r for r in rows(ex, store, "role") if r["role"] == "rollout"]
+    assert (row["cell_id"], row["detail"], row["reason"]) == ("c1", "serving v0", "test: lend")
+    assert row["weight_version"] == 0  # its engine's, once loaded
+    with caplog.at_level("INFO", logger="infra.cells.executor"):
+        ex.apply(Move(1, "train"), "test: recruit")
+        until(ex, lambda e: isinstance(e, MoveDone))
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("cell c1 draining (") for m in said), said
+    assert any(m.startswith("cell c1 withdrawn: ") for m in said), said
+
+
+def test_a_rollout_row_before_any_engine_says_its_version_is_unknown(rig):
+    ex, store = rig.ex, rig.store
+    ex.start(("train", "train"), "test")
+    ex.apply(LoadWeights(0, 0), "test")
+    until(ex, lambda e: isinstance(e, WeightsLoaded))
+    (decide,) = rows(ex, store, "decide")
+    assert (decide["role"], decide["weight_version"]) == ("rollout", -1)  # no engine yet
+    (loaded,) = rows(ex, store, "load_weights")
+    assert loaded["weight_version"] == 0
+    assert {r["weight_version"] for r in rows(ex, store, "join")} == {0}  # train: the run's
+
+
+def test_the_timeline_holds_each_rows_time_since_the_run_began(rig):
+    ex, store = rig.ex, rig.store
+    ex.start(("rollout", "train"), "test")
+    time.sleep(0.3)
+    ex.apply(Move(0, "train"), "test")
+    until(ex, lambda e: isinstance(e, MoveDone))
+    written = store.read("cells").to_pylist() if ex.log.flush(timeout=30) else []
+    assert [(e["cell"], e["event"]) for e in ex.timeline] == [
+        (int(r["cell_id"][1:]), r["event"]) for r in written
+    ]
+    for e, r in zip(ex.timeline, written, strict=True):
+        assert e["t"] == pytest.approx(r["t"] - ex.t0, abs=1e-3)
+    assert ex.timeline[-1]["t"] >= 0.3
+
+
+class BlockedPreload(StandInCells):
+    """A replacement worker whose imports wait for ``go``; it answers the verbs a heal uses."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.go = threading.Event()
+        self.looks = 0
+
+    def run_on(self, address: str, fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == "preloaded":
+            assert self.go.wait(30)
+            return None
+        return super().run_on(address, fn, *args, **kwargs)
+
+    def rebind(self, old: str, new: str, role: str = "idle") -> None:
+        self.roles.pop(old, None)
+        self.roles[new] = role
+
+    def workers(self) -> set[str]:
+        self.looks += 1
+        return super().workers()
+
+
+def test_a_healed_cell_is_looked_at_at_once_not_at_the_next_tick(tmp_path):
+    """A heal asks for a look at the workers now (an aborted step is retried on it, a late
+    task is seen), however long the loop's look interval."""
+    cells, gw, work = BlockedPreload(2), StandInGateway(), InstantWork()
+    ex = Executor(
+        cells, gw, Store(str(tmp_path / "s")), "mut", work, EngineSpec("none"), watch_s=0.0
+    )
+    try:
+        ex.start(("rollout", "train"), "test")
+        cells.alive.discard(addr(1))
+        cells.alive.add(addr(5))  # a new worker takes its place
+        cells.roles[addr(5)] = "idle"
+        deadline = time.monotonic() + 30
+        while ex.stats.cells_lost == 0 or not ex._pool._work_queue.empty():
+            assert time.monotonic() < deadline
+            ex.events(timeout=0.1)
+        ex.watch_s = 3600.0  # from now on, only a forced look
+        time.sleep(0.3)
+        ex.events(timeout=0.1)  # an answer under way comes in
+        before = cells.looks
+        cells.go.set()
+        deadline = time.monotonic() + 30
+        while ex.stats.cells_healed == 0:
+            assert time.monotonic() < deadline
+            ex.events(timeout=0.1)
+        deadline = time.monotonic() + 10
+        while cells.looks == before:
+            assert time.monotonic() < deadline, "no look after the heal"
+            ex.events(timeout=0.1)
+        assert ex.stats.cells_healed == 1
+    finally:
+        cells.go.set()
+        ex.close()

@@ -223,6 +223,7 @@ def test_a_step_writes_its_rows_and_reports_the_time_of_the_step_that_ended(rig)
         ]
     assert ex.version == 3 and [p.step for p in work.plans] == [0, 1, 2]
     started = rows(ex, store, "step")
+    assert {r["role"] for r in started} == {"train"}  # the timeline's step bars read it
     assert [(r["cell_id"], r["detail"]) for r in started] == [
         ("c1", "step 0 gen 0"),
         ("c1", "step 1 gen 0"),
@@ -378,6 +379,9 @@ def test_a_move_to_rollout_writes_the_version_it_serves(rig, caplog):
     (row,) = [r for r in rows(ex, store, "role") if r["role"] == "rollout"]
     assert (row["cell_id"], row["detail"], row["reason"]) == ("c1", "serving v0", "test: lend")
     assert row["weight_version"] == 0  # its engine's, once loaded
+    # the move's measured costs: from the decision, paced by the weight load (0.2 s)
+    assert row["wait_s"] is not None and 0.0 <= row["wait_s"] <= row["seconds"], row
+    assert row["seconds"] >= 0.2, row
     with caplog.at_level("INFO", logger="infra.cells.executor"):
         ex.apply(Move(1, "train"), "test: recruit")
         until(ex, lambda e: isinstance(e, MoveDone))

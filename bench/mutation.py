@@ -126,7 +126,27 @@ _PROBE = "the self-check's probe data: the template's verdict is the same with i
 _CASE = "an error message in other case: the same ServedError on the same condition (wording)"
 _PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
+_SOLVE_UNREAD = (
+    "_solve: only entries below the diagonal or x values not yet computed change, and"
+    " back substitution reads neither (k > r only; x[k] for k <= r is not computed yet: 0)"
+)
+_AT_POSITIVE = (
+    "the trend's guard: a prediction at the first step's size is theta0 * x0 + theta1 * m0"
+    " with theta0 >= 1e-3 * the guess > 0, x0 > 0, theta1 >= 0, m0 >= 1: always > 0, so the"
+    " guard's other forms are all true too"
+)
 EQUIVALENT: dict[str, str] = {
+    "tasks.sched.costs.x__solve__mutmut_19": "a pivot of exactly 1e-300: the estimator's"
+    " systems have the prior's weight (> 0) on the diagonal, so no pivot is near it",
+    "tasks.sched.costs.x__solve__mutmut_33": _SOLVE_UNREAD,
+    "tasks.sched.costs.x__solve__mutmut_42": _SOLVE_UNREAD,
+    "tasks.sched.costs.x__solve__mutmut_62": _SOLVE_UNREAD,
+    "tasks.sched.costs.xǁCostEstimatorǁ_fit__mutmut_55": "a coefficient solved at exactly 0"
+    " also fixed at 0: the refit of the other satisfies the same normal equation (the"
+    " fixed one's term is 0), the same value",
+    "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_89": _AT_POSITIVE,
+    "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_91": _AT_POSITIVE,
+    "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_94": _AT_POSITIVE,
     "storage.lease.xǁ_Fileǁwrite__mutmut_53": _LOG
     + ": a lost race's reason (retried, or logged in LeaseLost)",
     "storage.transcripts.x_register__mutmut_18": "the UDF's return type dropped: DuckDB takes"

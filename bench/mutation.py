@@ -136,6 +136,17 @@ _AT_POSITIVE = (
     " guard's other forms are all true too"
 )
 EQUIVALENT: dict[str, str] = {
+    "storage.transcripts.x_register__mutmut_12": "the UDF's parameter types dropped: DuckDB"
+    " takes them from detokenize's annotations (str, list[int]); the same results, NULLs and"
+    " empty lists included (checked side by side in DuckDB)",
+    "storage.transcripts.x_register__mutmut_13": "the UDF's return type dropped: DuckDB takes"
+    " it from detokenize's annotation (-> str), VARCHAR as given",
+    "storage.transcripts.x_register__mutmut_19": "side_effects=False dropped: False is"
+    " create_function's default",
+    "storage.transcripts.x_register__mutmut_23": "side_effects=True: DuckDB may no longer fold"
+    " or reuse calls; decode is pure, so every result is the same (only speed could differ)",
+    "storage.transcripts.x_plain_backend__mutmut_19": "encoding 'UTF-8' for 'utf-8': Python's"
+    " codec lookup ignores case, the same codec",
     "tasks.sched.costs.x__solve__mutmut_19": "a pivot of exactly 1e-300: the estimator's"
     " systems have the prior's weight (> 0) on the diagonal, so no pivot is near it",
     "tasks.sched.costs.x__solve__mutmut_33": _SOLVE_UNREAD,

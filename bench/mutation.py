@@ -126,6 +126,10 @@ _PROBE = "the self-check's probe data: the template's verdict is the same with i
 _CASE = "an error message in other case: the same ServedError on the same condition (wording)"
 _PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
+_UDF_RETURN = (
+    "the UDF's return type dropped: DuckDB takes it from detokenize's annotation (-> str),"
+    " VARCHAR as given"
+)
 _SOLVE_UNREAD = (
     "_solve: only entries below the diagonal or x values not yet computed change, and"
     " back substitution reads neither (k > r only; x[k] for k <= r is not computed yet: 0)"
@@ -139,8 +143,7 @@ EQUIVALENT: dict[str, str] = {
     "storage.transcripts.x_register__mutmut_12": "the UDF's parameter types dropped: DuckDB"
     " takes them from detokenize's annotations (str, list[int]); the same results, NULLs and"
     " empty lists included (checked side by side in DuckDB)",
-    "storage.transcripts.x_register__mutmut_13": "the UDF's return type dropped: DuckDB takes"
-    " it from detokenize's annotation (-> str), VARCHAR as given",
+    "storage.transcripts.x_register__mutmut_13": _UDF_RETURN,
     "storage.transcripts.x_register__mutmut_19": "side_effects=False dropped: False is"
     " create_function's default",
     "storage.transcripts.x_register__mutmut_23": "side_effects=True: DuckDB may no longer fold"
@@ -160,8 +163,7 @@ EQUIVALENT: dict[str, str] = {
     "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_94": _AT_POSITIVE,
     "storage.lease.xǁ_Fileǁwrite__mutmut_53": _LOG
     + ": a lost race's reason (retried, or logged in LeaseLost)",
-    "storage.transcripts.x_register__mutmut_18": "the UDF's return type dropped: DuckDB takes"
-    " it from detokenize's annotation (-> str), VARCHAR as given",
+    "storage.transcripts.x_register__mutmut_18": _UDF_RETURN,
     "storage.transcripts.x_register__mutmut_21": "the UDF named DETOKENIZE: DuckDB's function"
     " names are case-insensitive, the views' detokenize(...) finds it",
     "flows.served.x_train_served__mutmut_26": _CASE,

@@ -4,7 +4,13 @@ name a token, and added tokens written as dicts (``{"content": ...}``)."""
 
 from __future__ import annotations
 
-from storage.transcripts import _named_tokens
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from storage.transcripts import _named_tokens, load_decoder, plain_backend
+from tests.storage.test_transcripts_decoder import _copy_tokenizer
 
 
 def test_every_way_a_config_names_a_token_is_read():
@@ -30,10 +36,7 @@ def test_extra_special_tokens_as_a_dict_come_first():
 def test_a_checkpoint_transformers_would_change_decodes_with_transformers(tmp_path):
     """Not the plain case (a class that rebuilds the backend): ``load_decoder`` hands back
     the checkpoint's own transformers tokenizer, which decodes as loading it by hand does."""
-    from transformers import AutoTokenizer
-
-    from storage.transcripts import load_decoder, plain_backend
-    from tests.storage.test_transcripts_decoder import _copy_tokenizer
+    from transformers import AutoTokenizer  # a cold import: only this test needs it
 
     path = _copy_tokenizer(tmp_path, tokenizer_class="Qwen2Tokenizer")
     assert plain_backend(path) is None
@@ -55,13 +58,6 @@ def test_the_tokenizer_config_is_read_as_utf8_whatever_the_locale(tmp_path):
     locale is not UTF-8 (C, no UTF-8 mode, no coercion: Python's locale encoding is ASCII)
     still takes the light path; read in the locale's encoding it would fail to decode and
     fall back to transformers."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.storage.test_transcripts_decoder import _copy_tokenizer
-
     path = _copy_tokenizer(tmp_path, chat_template="{# réponse — 回答 #}{{ messages }}")
     raw = (Path(path) / "tokenizer_config.json").read_text()
     (Path(path) / "tokenizer_config.json").write_text(raw.replace("\\u00e9", "é"), "utf-8")

@@ -520,8 +520,9 @@ def test_a_local_lease_is_decided_under_a_lock_beside_it(tmp_path):
 def test_s3_writes_are_conditional_on_absence_or_the_etag_read(free_port, monkeypatch):
     from tests.s3 import moto_s3
 
-    with moto_s3(free_port(), ("leases",)):
-        store = Store("s3://leases/store", retry_s=5)
+    bucket = f"leases-{uuid.uuid4().hex[:12]}"  # moto's buckets outlive its server
+    with moto_s3(free_port(), (bucket,)):
+        store = Store(f"s3://{bucket}/store", retry_s=5)
         sent, put = [], store.fs.pipe_file
 
         def spy(path, data, **kw):

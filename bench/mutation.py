@@ -161,8 +161,13 @@ EQUIVALENT: dict[str, str] = {
     "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_89": _AT_POSITIVE,
     "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_91": _AT_POSITIVE,
     "tasks.sched.costs.xǁCostEstimatorǁstep__mutmut_94": _AT_POSITIVE,
-    "storage.lease.xǁ_Fileǁwrite__mutmut_53": _LOG
-    + ": a lost race's reason (retried, or logged in LeaseLost)",
+    "storage.lease.xǁLeaseǁ__init____mutmut_7": "lost = None for False: it is read only for"
+    " its truth (release's `if self.lost`, callers' `lease.lost`), where None is False",
+    "storage.lease.xǁLeaseǁ__init____mutmut_15": "_since = None for 0.0: it is read only in"
+    " _record's `self._since or now`, where both are false",
+    "storage.lease.xǁ_Fileǁread__mutmut_28": "a torn file read as None for the released"
+    " record: the next line's `rec if isinstance(rec, dict) else <the released record>` gives"
+    " the same record",
     "storage.transcripts.x_register__mutmut_18": _UDF_RETURN,
     "storage.transcripts.x_register__mutmut_21": "the UDF named DETOKENIZE: DuckDB's function"
     " names are case-insensitive, the views' detokenize(...) finds it",

@@ -220,8 +220,8 @@ def test_a_pid_reused_by_another_process_frees_the_lease():
 
 
 def test_a_record_on_this_host_without_a_pid_waits_for_its_ttl():
-    rec = _here(0)
-    del rec["pid"]
+    rec = _here(0, pid_start="12345")
+    del rec["pid"]  # no process to look at, whatever its recorded start: its TTL decides
     assert not lease_mod._holder_gone(rec, time.time())
 
 
@@ -264,6 +264,10 @@ def test_pid_start_matches_the_kernel_for_this_process():
 
 def test_without_proc_a_live_pid_has_an_unknown_start_and_a_dead_one_none(monkeypatch):
     _fake_open(monkeypatch, None)
+    sent, kill = [], os.kill
+    monkeypatch.setattr(lease_mod.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    assert lease_mod._pid_start(4242) == "" and sent == [(4242, 0)]  # signal 0: a look only
+    monkeypatch.setattr(lease_mod.os, "kill", kill)
     assert lease_mod._pid_start(os.getpid()) == ""
     assert lease_mod._pid_start(_dead_pid()) is None
 
@@ -317,9 +321,9 @@ def test_a_lease_whose_earlier_try_landed_is_ours_without_a_takeover(tmp_path):
     a = Lease(store, "r1", "w")
     ours = _elsewhere(token=a.token, beat=time.time(), ttl_s=600.0)  # live, and ours
     store.write_bytes(lease_relpath("r1"), json.dumps(ours).encode())
-    a.acquire()
+    assert a.acquire() is a
     try:
-        assert a.taken_over is None
+        assert a.taken_over is None and a._thread.is_alive()  # renewed from now on
     finally:
         a.release()
 
@@ -482,9 +486,12 @@ def test_check_free_passes_a_free_or_released_run_and_names_a_held_one(tmp_path)
     store = Store(str(tmp_path / "s"))
     lease_mod.check_free(store, "r1")
     a = Lease(store, "r1", "the holder").acquire()
-    with pytest.raises(LeaseHeld, match=r"^run 'r1' in .* is in use by the holder") as got:
+    want = f"run 'r1' in {store.url} is in use by the holder"
+    with pytest.raises(LeaseHeld, match="^" + re.escape(want)) as got:
         lease_mod.check_free(store, "r1")
     assert got.value.holder["token"] == a.token
+    with pytest.raises(LeaseHeld, match="^" + re.escape(want)):  # and so does acquire
+        Lease(store, "r1", "w").acquire()
     a.release()
     lease_mod.check_free(store, "r1")
 
@@ -547,3 +554,96 @@ def test_s3_writes_are_conditional_on_absence_or_the_etag_read(free_port, monkey
         with pytest.raises(lease_mod._Conflict):  # and a create over an existing lease
             f.write(rec, None, create=True)
         a.release()
+
+
+def test_a_best_effort_store_renews_and_releases_its_own_lease():
+    store = _memory_store()
+    path = store.path(lease_relpath("r1"))
+    a = Lease(store, "r1", "w", ttl_s=600).acquire()
+    a._stop.set()
+    a._thread.join()
+    beat = json.loads(store.fs.cat_file(path))["beat"]
+    time.sleep(0.01)
+    a.renew()  # its own token read back: no conflict
+    assert json.loads(store.fs.cat_file(path))["beat"] > beat
+    a.release()
+    assert json.loads(store.fs.cat_file(path))["released"]
+
+
+def test_a_best_effort_renewal_overwritten_in_flight_is_lost_saying_so(monkeypatch):
+    store = _memory_store()
+    a = Lease(store, "r1", "w", ttl_s=600).acquire()
+    a._stop.set()
+    a._thread.join()
+    put = store.fs.pipe_file
+
+    def racing(path, data, **kw):
+        put(path, data, **kw)
+        put(path, json.dumps({"token": "other"}).encode())
+
+    monkeypatch.setattr(store.fs, "pipe_file", racing)
+    with pytest.raises(
+        lease_mod.LeaseLost, match=r"^lease of run 'r1' lost: another writer's lease was read back$"
+    ):
+        a.renew()
+
+
+def test_a_local_lease_is_replaced_whole_never_written_in_place(tmp_path, monkeypatch):
+    """A local lease file is written to a temporary name and renamed (Store.write_bytes), so
+    a reader never sees half a record; fsspec's pipe_file would write it in place."""
+    store = Store(str(tmp_path / "s"))
+
+    opened = store.fs.open
+
+    def in_place(path, mode="rb", **k):
+        assert "r" in mode, f"a local lease written in place ({mode})"
+        return opened(path, mode, **k)
+
+    monkeypatch.setattr(store.fs, "pipe_file", in_place)
+    monkeypatch.setattr(store.fs, "open", in_place)
+    a = Lease(store, "r1", "w", ttl_s=600).acquire()
+    a.renew()
+    a.release()
+    assert json.loads(store.read_bytes(lease_relpath("r1")))["released"]
+
+
+class _Reset(ConnectionResetError):
+    pass
+
+
+def _failing(calls: list):
+    def fn(*a, **k):
+        calls.append(1)
+        raise _Reset(104, "Connection reset by peer")
+
+    return fn
+
+
+@pytest.mark.parametrize("verb", ["read", "put"])
+def test_a_store_outage_names_the_lease_call_that_failed(monkeypatch, verb):
+    store = _memory_store()
+    store.retry_s = 0.0  # fail at the first transient error
+    path = store.path(lease_relpath("r1"))
+    if verb == "put":
+        store.fs.pipe_file(path, json.dumps({"token": None, "released": True}).encode())
+    calls = []
+    monkeypatch.setattr(store.fs, "cat_file" if verb == "read" else "pipe_file", _failing(calls))
+    with pytest.raises(lease_mod.StoreError) as got:
+        Lease(store, "r1", "w").acquire()
+    assert str(got.value).startswith(f"store: {verb} {path} kept failing for 0s (1 attempts)")
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("verb", ["stat", "put"])
+def test_an_s3_outage_names_the_lease_call_that_failed(free_port, monkeypatch, verb):
+    from tests.s3 import moto_s3
+
+    bucket = f"leases-{uuid.uuid4().hex[:12]}"
+    with moto_s3(free_port(), (bucket,)):
+        store = Store(f"s3://{bucket}/store", retry_s=0)
+        path = store.path(lease_relpath("r1"))
+        if verb == "stat":  # the ETag is looked up first
+            store.fs.pipe_file(path, b"{}")
+        monkeypatch.setattr(store.fs, "info" if verb == "stat" else "pipe_file", _failing([]))
+        with pytest.raises(lease_mod.StoreError, match="^" + re.escape(f"store: {verb} {path} ")):
+            Lease(store, "r1", "w").acquire()

@@ -364,6 +364,23 @@ def _pytest(work: Path, env: dict, tests: list[str], mutant: str) -> subprocess.
     )
 
 
+def _sweep(cwd: Path, clean: set[str]) -> list[str]:
+    """Remove what mutants wrote into the tests' working directory (a mutated path such as
+    ``os.path.join(_MARK)`` writes ``COMPLETE`` there), so that it cannot answer for a later
+    mutant in the rerun (``os.path.exists(os.path.join(_MARK))`` found one and survived).
+    Returns the names removed."""
+    litter = sorted(set(os.listdir(cwd)) - clean)
+    for name in litter:
+        p = cwd / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if litter:
+        print(f"  removed what mutants left in the tests' directory: {', '.join(litter)}")
+    return litter
+
+
 def rerun_unreached(
     work: Path, env: dict, tests: list[str], keys: list[str], *, jobs: int, budget: float
 ) -> dict[str, int]:
@@ -437,6 +454,7 @@ def run_module(
             [sys.executable, "-c", _GENERATE], cwd=work, env=env, stdout=log, stderr=log, check=True
         )
         codes = _meta(work, path)
+        clean = set(os.listdir(work / "mutants"))  # what the tests' working directory holds
         keys = sorted(codes)
         chosen = (
             keys if sample <= 0 or sample >= len(keys) else random.Random(seed).sample(keys, sample)
@@ -464,6 +482,7 @@ def run_module(
         ]
         rerun = {}
         if unreached and child_budget > 0:
+            _sweep(work / "mutants", clean)
             rerun = rerun_unreached(work, env, tests, unreached, jobs=jobs, budget=child_budget)
             codes = codes | rerun
         row = classify(path, codes, chosen)

@@ -4,6 +4,7 @@ the JSON figures, and the seam map (the bench itself, which runs mutmut, is neve
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -82,3 +83,15 @@ def test_the_config_mutates_only_the_module_and_runs_fast_tests():
     assert 'only_mutate = ["storage/lease.py"]' in text
     assert '"not slow and not gpu"' in text
     assert 'pytest_add_cli_args_test_selection = ["tests/storage/test_lease.py"]' in text
+
+
+def test_the_sweep_removes_only_what_mutants_wrote(tmp_path):
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "README.md").write_text("x")
+    clean = {"storage", "README.md"}
+    (tmp_path / "COMPLETE").write_text("1")  # a mutated path wrote it here
+    (tmp_path / "ckpts_store").mkdir()
+    (tmp_path / "ckpts_store" / "f").write_text("1")
+    assert mutation._sweep(tmp_path, clean) == ["COMPLETE", "ckpts_store"]
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "storage"]
+    assert mutation._sweep(tmp_path, clean) == []

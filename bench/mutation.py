@@ -139,6 +139,15 @@ _AT_POSITIVE = (
     " with theta0 >= 1e-3 * the guess > 0, x0 > 0, theta1 >= 0, m0 >= 1: always > 0, so the"
     " guard's other forms are all true too"
 )
+_PREFIX = (
+    "the download directory's name prefix: it is renamed into place or removed (finally)"
+    " whatever its name, and no reader lists it"
+)
+_ASIDE = (
+    "the name prefix of the directory an incomplete copy is moved into: it is removed at once"
+    " whatever its name, and no reader lists it"
+)
+_ASIDE_NAME = "the incomplete copy's name inside the aside directory, which is removed whole"
 EQUIVALENT: dict[str, str] = {
     "storage.transcripts.x_register__mutmut_12": "the UDF's parameter types dropped: DuckDB"
     " takes them from detokenize's annotations (str, list[int]); the same results, NULLs and"
@@ -173,8 +182,20 @@ EQUIVALENT: dict[str, str] = {
     " names are case-insensitive, the views' detokenize(...) finds it",
     "flows.served.x_train_served__mutmut_26": _CASE,
     "flows.served.x_train_served__mutmut_29": _CASE,
-    "storage.checkpoints.x__cached_copy__mutmut_16": "the download directory's name prefix:"
-    " it is renamed into place or removed (finally) whatever its name, and no reader lists it",
+    "storage.checkpoints.x__cached_copy__mutmut_16": _PREFIX,
+    "storage.checkpoints.x__cached_copy__mutmut_14": _PREFIX,
+    "storage.checkpoints.x__rename_into_place__mutmut_14": _ASIDE,
+    "storage.checkpoints.x__rename_into_place__mutmut_16": _ASIDE,
+    "storage.checkpoints.x__rename_into_place__mutmut_18": _ASIDE,
+    "storage.checkpoints.x__rename_into_place__mutmut_19": _ASIDE,
+    "storage.checkpoints.x__rename_into_place__mutmut_28": "the incomplete copy renamed onto"
+    " the empty aside directory itself, not into it: rename(2) replaces an empty directory,"
+    " and the aside is removed whole next, the same",
+    "storage.checkpoints.x__rename_into_place__mutmut_29": _ASIDE_NAME,
+    "storage.checkpoints.x__rename_into_place__mutmut_30": _ASIDE_NAME,
+    "storage.checkpoints.x_stored_digest__mutmut_7": "exists(None) for the digest file's"
+    " path: the check is a shortcut; a missing file's FileNotFoundError is an OSError, caught:"
+    " None either way",
     "infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_41": _LOG
     + ": an info line's argument dropped (logging reports it and goes on)",
     "infra.gateway.chat.xǁChatTokenizerǁ_check_cap__mutmut_7": "the cap check's probe text in"

@@ -123,7 +123,6 @@ DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "Makefile", "constraint
 # Keys are mutmut's (function + its number); they shift when the function's code changes,
 # and the bench then reports the mutant as survived again, to be triaged again.
 _PROBE = "the self-check's probe data: the template's verdict is the same with it"
-_CASE = "an error message in other case: the same ServedError on the same condition (wording)"
 _PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
 _UDF_RETURN = (
@@ -148,6 +147,23 @@ _ASIDE = (
     " whatever its name, and no reader lists it"
 )
 _ASIDE_NAME = "the incomplete copy's name inside the aside directory, which is removed whole"
+_ZERO_VARIANCE = (
+    "normalize_std in zero_variance_groups: whether every advantage of a group is 0 does not"
+    " depend on dividing by its std ((x - mean) / (std + eps) is 0 iff x == mean)"
+)
+_ZIP = "zip's strict= on two columns of one table (always the same length)"
+_SERVED_UNREAD = (
+    "a served session's handle field that neither _learnable nor processing reads (the"
+    " rollouts row's step is the pass's; subtasks are read as `s.subtasks or None`)"
+)
+_FINISHED = (
+    "score_rollout's status/reason: served sessions are all 'finished', where the reason is"
+    " not read"
+)
+_NO_STALENESS = (
+    "read only when max_staleness is set, which a served pass never sets (its sessions"
+    " were sampled by whatever the server served)"
+)
 EQUIVALENT: dict[str, str] = {
     "storage.transcripts.x_register__mutmut_12": "the UDF's parameter types dropped: DuckDB"
     " takes them from detokenize's annotations (str, list[int]); the same results, NULLs and"
@@ -180,8 +196,28 @@ EQUIVALENT: dict[str, str] = {
     "storage.transcripts.x_register__mutmut_18": _UDF_RETURN,
     "storage.transcripts.x_register__mutmut_21": "the UDF named DETOKENIZE: DuckDB's function"
     " names are case-insensitive, the views' detokenize(...) finds it",
-    "flows.served.x_train_served__mutmut_26": _CASE,
-    "flows.served.x_train_served__mutmut_29": _CASE,
+    "flows.served.x_next_step__mutmut_10": _ZIP,
+    "flows.served.x_next_step__mutmut_13": _ZIP,
+    "flows.served.x_next_step__mutmut_18": _ZIP,
+    "flows.served.x_pending_sessions__mutmut_6": _ZIP,
+    "flows.served.x_pending_sessions__mutmut_9": _ZIP,
+    "flows.served.x_pending_sessions__mutmut_14": _ZIP,
+    "flows.served.x_pending_sessions__mutmut_38": _SERVED_UNREAD,
+    "flows.served.x_pending_sessions__mutmut_54": _SERVED_UNREAD,
+    "flows.served.x_pending_sessions__mutmut_40": _SERVED_UNREAD,
+    "flows.served.x__learnable__mutmut_15": "score_rollout's run_id only labels the"
+    " RolloutScore; _learnable reads its reward",
+    "flows.served.x__learnable__mutmut_20": _FINISHED,
+    "flows.served.x__learnable__mutmut_26": _FINISHED,
+    "flows.served.x__learnable__mutmut_27": _FINISHED,
+    "flows.served.x__learnable__mutmut_36": _ZERO_VARIANCE,
+    "flows.served.x__learnable__mutmut_41": _ZERO_VARIANCE,
+    "flows.served.x_train_served__mutmut_52": _NO_STALENESS,
+    "flows.served.x_train_served__mutmut_64": "max_staleness=None dropped: None is"
+    " process_sessions' default",
+    "flows.served.x_train_served__mutmut_65": _NO_STALENESS,
+    "flows.served.x_train_served__mutmut_83": "cell_id='local' dropped: 'local' is"
+    " train_on_samples' default",
     "storage.checkpoints.x__cached_copy__mutmut_16": _PREFIX,
     "storage.checkpoints.x__cached_copy__mutmut_14": _PREFIX,
     "storage.checkpoints.x__rename_into_place__mutmut_14": _ASIDE,
@@ -390,7 +426,7 @@ def _sweep(cwd: Path, clean: set[str]) -> list[str]:
     ``os.path.join(_MARK)`` writes ``COMPLETE`` there), so that it cannot answer for a later
     mutant in the rerun (``os.path.exists(os.path.join(_MARK))`` found one and survived).
     Returns the names removed."""
-    litter = sorted(set(os.listdir(cwd)) - clean)
+    litter = sorted(n for n in set(os.listdir(cwd)) - clean if not n.startswith("mutmut"))
     for name in litter:
         p = cwd / name
         if p.is_dir() and not p.is_symlink():

@@ -95,3 +95,9 @@ def test_the_sweep_removes_only_what_mutants_wrote(tmp_path):
     assert mutation._sweep(tmp_path, clean) == ["COMPLETE", "ckpts_store"]
     assert sorted(os.listdir(tmp_path)) == ["README.md", "storage"]
     assert mutation._sweep(tmp_path, clean) == []
+
+
+def test_the_sweep_keeps_mutmuts_own_files(tmp_path):
+    (tmp_path / "mutmut-stats.json").write_text("{}")  # written by mutmut after the copy
+    assert mutation._sweep(tmp_path, set()) == []
+    assert os.listdir(tmp_path) == ["mutmut-stats.json"]

@@ -196,6 +196,8 @@ EQUIVALENT: dict[str, str] = {
     "storage.transcripts.x_register__mutmut_18": _UDF_RETURN,
     "storage.transcripts.x_register__mutmut_21": "the UDF named DETOKENIZE: DuckDB's function"
     " names are case-insensitive, the views' detokenize(...) finds it",
+    "flows.served.x_next_step__mutmut_7": "the empty-table guard forced true: store.read gives"
+    " an empty steps table its schema's columns, and the comprehension over them is the same []",
     "flows.served.x_next_step__mutmut_10": _ZIP,
     "flows.served.x_next_step__mutmut_13": _ZIP,
     "flows.served.x_next_step__mutmut_18": _ZIP,

@@ -102,3 +102,138 @@ def test_the_zygote_ends_as_it_should_and_leaves_the_run_alone(tmp_path):
     assert not out["pandas_after"], "Dask's forkserver context preloaded into the run's process"
     assert out["ended_status"] == 0, out
     assert out["ended_forgotten"], out
+
+
+SCRIPT2 = textwrap.dedent(
+    """
+    import io, json, logging, os, sys, time
+    from multiprocessing import forkserver
+
+    from infra.cells import zygote
+    from infra.cells.zygote import start_zygote, zygote_pid
+
+    out = {}
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    zygote.log.addHandler(handler)
+
+
+    def fds():
+        return sorted(os.listdir("/proc/self/fd"))
+
+
+    if __name__ == "__main__":
+        # 1. a Python whose fork server lacks one of the fields set here: no zygote
+        real_server = forkserver._forkserver
+        class Partial:
+            _forkserver_address = _forkserver_alive_fd = _lock = None  # no _forkserver_pid
+        forkserver._forkserver = Partial()
+        out["partial"] = start_zygote(())
+        forkserver._forkserver = real_server
+
+        # 2. the fork fails (out of processes): no zygote, a warning, nothing left open
+        real_fork = os.fork
+        def no_fork():
+            raise OSError(11, "Resource temporarily unavailable")
+        os.fork = no_fork
+        start_zygote(())  # starts multiprocessing's resource tracker (its pipe stays open)
+        logs.truncate(0)
+        logs.seek(0)
+        before = fds()
+        out["no_fork"] = start_zygote(())
+        out["fds_kept"] = fds() == before
+        os.fork = real_fork
+        out["warned"] = logs.getvalue().splitlines()
+
+        # 3. a fork server that fails in a zygote whose stderr is closed (a daemonised run):
+        #    it still exits 1 and never comes back here
+        def boom(*args):
+            raise RuntimeError("the fork server failed")
+        real_main, forkserver.main = forkserver.main, boom
+        real_stderr, closed = sys.stderr, open(os.devnull, "w")
+        closed.close()
+        sys.stderr = closed
+        try:
+            zpid = start_zygote(())
+        except BaseException as exc:
+            sys.stderr = real_stderr
+            print("ESCAPED " + json.dumps({"pid": os.getpid(), "exc": repr(exc)}), flush=True)
+            os._exit(3)
+        sys.stderr = real_stderr
+        forkserver.main = real_main
+        out["closed_stderr_status"] = os.waitstatus_to_exitcode(os.waitpid(zpid, 0)[1])
+
+        # 4. a zygote that serves: known by its pid, named, and started once
+        zpid = start_zygote(())
+        out["pid_known"] = zygote_pid() == zpid and zpid is not None
+        out["again"] = start_zygote(()) == zpid
+        deadline, name = time.monotonic() + 20, ""
+        while time.monotonic() < deadline:
+            with open(f"/proc/{zpid}/comm") as fh:
+                name = fh.read().strip()
+            if name == "gyre-zygote":
+                break
+            time.sleep(0.05)
+        out["name"] = name
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+        os.waitpid(zpid, 0)
+        print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def test_the_zygote_is_started_once_named_and_given_up_cleanly(tmp_path):
+    script = tmp_path / "zygote_start.py"
+    script.write_text(SCRIPT2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    escaped = [ln for ln in proc.stdout.splitlines() if ln.startswith("ESCAPED ")]
+    assert not escaped, f"a forked zygote returned into the run's code: {escaped}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(line[-1][len("RESULT ") :])
+    assert out["partial"] is None, out
+    assert out["no_fork"] is None and out["fds_kept"], out
+    assert out["warned"] == [
+        "could not fork the cells' zygote ([Errno 11] Resource temporarily unavailable);"
+        " cells start as new processes"
+    ], out
+    assert out["closed_stderr_status"] == 1, out
+    assert out["pid_known"] and out["again"], out
+    assert out["name"] == "gyre-zygote", out
+
+
+def _comm() -> str:
+    with open("/proc/self/comm") as fh:
+        return fh.read().strip()
+
+
+def test_a_forked_cell_is_named_and_reseeded():
+    """What runs in each cell right after its fork (here in the test's own process, its
+    name put back after): its name, and numpy's and torch's generators reseeded, so two
+    cells forked from one zygote never draw the same numbers."""
+    import numpy as np
+    import torch
+
+    from infra.cells import zygote
+
+    name = _comm()
+    try:
+        np.random.seed(5)
+        first = np.random.rand()
+        torch.manual_seed(5)
+        np.random.seed(5)
+        zygote._as_cell()
+        assert _comm() == "gyre-cell"
+        assert np.random.rand() != first
+        assert torch.initial_seed() != 5
+        zygote._set_name("a-name-longer-than-fifteen")
+        assert _comm() == "a-name-longer-t"  # the kernel keeps 15 bytes
+    finally:
+        zygote._set_name(name)
+    assert _comm() == name

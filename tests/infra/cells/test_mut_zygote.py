@@ -167,6 +167,8 @@ SCRIPT2 = textwrap.dedent(
         zpid = start_zygote(())
         out["pid_known"] = zygote_pid() == zpid and zpid is not None
         out["again"] = start_zygote(()) == zpid
+        address = forkserver._forkserver._forkserver_address  # a path on Linux (3.11)
+        out["socket_mode"] = oct(os.stat(address).st_mode & 0o777)  # only this user connects
         deadline, name = time.monotonic() + 20, ""
         while time.monotonic() < deadline:
             with open(f"/proc/{zpid}/comm") as fh:
@@ -206,6 +208,7 @@ def test_the_zygote_is_started_once_named_and_given_up_cleanly(tmp_path):
     assert out["closed_stderr_status"] == 1, out
     assert out["pid_known"] and out["again"], out
     assert out["name"] == "gyre-zygote", out
+    assert out["socket_mode"] == "0o600", out
 
 
 def _comm() -> str:

@@ -124,6 +124,12 @@ DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "Makefile", "constraint
 # and the bench then reports the mutant as survived again, to be triaged again.
 _PROBE = "the self-check's probe data: the template's verdict is the same with it"
 _PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
+_SUPPRESS = (
+    "the exceptions a prctl call suppresses: on Linux with glibc neither is raised (prctl"
+    " exists; a failing call returns -1, it does not raise), so the changed suppress is never"
+    " exercised"
+)
+_ERRNO = "use_errno: ctypes keeps its private errno copy only for ctypes.get_errno(), never read"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
 _UDF_RETURN = (
     "the UDF's return type dropped: DuckDB takes it from detokenize's annotation (-> str),"
@@ -252,6 +258,46 @@ EQUIVALENT: dict[str, str] = {
     "tasks.sched.bound.x__programme__mutmut_61": "the window loop from 0 for from p: an"
     " iteration q < p neither moves s or prev (only q > p does) nor emits a state (only"
     " q >= lo_q >= p does), so the states and bounds are the same",
+    "infra.cells.zygote.x__set_name__mutmut_7": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_8": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_9": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_12": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_13": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_20": _PRCTL,
+    "infra.cells.zygote.x__set_name__mutmut_1": _SUPPRESS,
+    "infra.cells.zygote.x__set_name__mutmut_2": _SUPPRESS,
+    "infra.cells.zygote.x__set_name__mutmut_3": _SUPPRESS,
+    "infra.cells.zygote.x__set_name__mutmut_4": _SUPPRESS,
+    "infra.cells.zygote.x__set_name__mutmut_15": _ERRNO,
+    "infra.cells.zygote.x__set_name__mutmut_17": _ERRNO,
+    "infra.cells.zygote.x__set_name__mutmut_18": _ERRNO,
+    "infra.cells.zygote.x__set_name__mutmut_19": "the name cut at 16 bytes for 15: the kernel keeps 15 and the NUL (TASK_COMM_LEN 16), the same name",
+    "infra.cells.zygote.x_die_with_parent__mutmut_4": _SUPPRESS,
+    "infra.cells.zygote.x_die_with_parent__mutmut_5": _SUPPRESS,
+    "infra.cells.zygote.x_die_with_parent__mutmut_6": _SUPPRESS,
+    "infra.cells.zygote.x_die_with_parent__mutmut_7": _SUPPRESS,
+    "infra.cells.zygote.x_die_with_parent__mutmut_12": _ERRNO,
+    "infra.cells.zygote.x_die_with_parent__mutmut_14": _ERRNO,
+    "infra.cells.zygote.x_die_with_parent__mutmut_15": _ERRNO,
+    "infra.cells.zygote.x__become_zygote__mutmut_13": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_14": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_15": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_16": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_17": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_18": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_19": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x__become_zygote__mutmut_20": _LOG
+    + ": a debug line for a preload that fails (it fails again, with its error, in the cell)",
+    "infra.cells.zygote.x_start_zygote__mutmut_7": "getattr(forkserver, '_forkserver') without its default: CPython's multiprocessing.forkserver always defines it",
+    "infra.cells.zygote.x_start_zygote__mutmut_39": "os.chmod(address, 385): 385 is 0o600, the same mode",
+    "infra.cells.zygote.x_start_zygote__mutmut_66": "suppress(None) around the zygote's excepthook: if it raised, the TypeError would still run the finally, whose os._exit(1) ends the zygote the same way",
     "infra.cells.zygote.x__set_name__mutmut_14": _PRCTL,
     "infra.cells.zygote.x__set_name__mutmut_21": _PRCTL,
     "infra.cells.zygote.x__set_name__mutmut_22": _PRCTL,

@@ -179,8 +179,11 @@ SCRIPT2 = textwrap.dedent(
         out["name"] = name
         os.close(forkserver._forkserver._forkserver_alive_fd)
         forkserver._forkserver._forkserver_alive_fd = None
-        os.waitpid(zpid, 0)
+        deadline = time.monotonic() + 30  # bounded: a second zygote would keep this one
+        while time.monotonic() < deadline and os.waitpid(zpid, os.WNOHANG) == (0, 0):
+            time.sleep(0.05)
         print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)  # any zygote left is ended by PR_SET_PDEATHSIG
     """
 )
 

@@ -222,8 +222,10 @@ class Executor(Healing):
         self.membership = Membership(self.addrs, heal_timeout_s)  # shares self.addrs
         self.lost_addr: dict[int, str] = {}
         self._cell_locks = [threading.RLock() for _ in self.addrs]
-        self._watched = 0.0
-        self._unrunnable_checked = 0.0
+        # never yet: time.monotonic() counts from boot on Linux, so 0.0 would be "watch_s
+        # ago" only on a machine up longer than that (a fresh VM skipped its first looks)
+        self._watched = -math.inf
+        self._unrunnable_checked = -math.inf
         self._unrunnable: dict[int, Any] = {}  # group -> the task key last checked
         self._looking: Future | None = None  # a look at the workers under way (healing.py)
         self._look_again = False  # a forced look asked for while one was under way

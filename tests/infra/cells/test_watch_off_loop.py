@@ -64,12 +64,23 @@ def _events_in_thread(ex: Executor, timeout: float = 0.05) -> list:
     return out[0]
 
 
+def _started(cells: HeldCells, n: int) -> None:
+    """The look runs on a thread of its own: wait (up to 10 s) until ``n`` were asked."""
+    for _ in range(1000):
+        if cells.looks >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{cells.looks} looks asked for, not {n}")
+
+
 def test_the_loop_does_not_wait_for_a_look_at_the_workers(tmp_path):
     cells = HeldCells()
     ex = _executor(tmp_path, cells)
     try:
         for _ in range(5):
             assert _events_in_thread(ex) == []
+        _started(cells, 1)
+        assert _events_in_thread(ex) == []
         assert cells.looks == 1, f"one look at a time, not {cells.looks}"
         assert not ex.membership.is_lost(0)
         cells.alive = set()  # the cell's worker died while the scheduler was slow to say
@@ -88,9 +99,10 @@ def test_the_loop_does_not_wait_for_a_look_at_the_workers(tmp_path):
 def test_a_forced_look_during_one_under_way_is_made_after_it(tmp_path):
     cells = HeldCells()
     ex = _executor(tmp_path, cells)
-    ex.watch_s = 3600.0  # only forced looks after the first
+    ex.watch_s = 1e9  # only forced looks after the first (1e9 s: longer than any uptime)
     try:
         assert _events_in_thread(ex) == []
+        _started(cells, 1)
         assert cells.looks == 1
         ex._q.put(("healed", 0))  # a heal done: the workers must be looked at again
         _events_in_thread(ex)

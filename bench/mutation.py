@@ -131,6 +131,11 @@ _SUPPRESS = (
 )
 _ERRNO = "use_errno: ctypes keeps its private errno copy only for ctypes.get_errno(), never read"
 _LOG = "log or internal message wording only (not behaviour; no test pins log text)"
+_MAIN_NEVER_RETURNS = (
+    "the zygote's exit code after forkserver.main returns: it never returns (a `while True`"
+    " loop left only by SystemExit when the run closes `alive`, or by an error), so the line"
+    " is not reached"
+)
 _UDF_RETURN = (
     "the UDF's return type dropped: DuckDB takes it from detokenize's annotation (-> str),"
     " VARCHAR as given"
@@ -303,6 +308,11 @@ EQUIVALENT: dict[str, str] = {
     "infra.cells.zygote.x__set_name__mutmut_22": _PRCTL,
     "infra.cells.zygote.x_start_zygote__mutmut_58": "forkserver.main's preload None for []:"
     " it only tests `if preload:`, and both skip the imports",
+    "infra.cells.zygote.x_start_zygote__mutmut_34": "is_abstract_socket_namespace(None):"
+    " False for None, and False for the address too: arbitrary_address('AF_UNIX') is a path"
+    " under the temp directory on Linux, never abstract, so the socket is chmod-ed either way",
+    "infra.cells.zygote.x_start_zygote__mutmut_62": _MAIN_NEVER_RETURNS,
+    "infra.cells.zygote.x_start_zygote__mutmut_63": _MAIN_NEVER_RETURNS,
     "tasks.train_step.x_restore_sharded__mutmut_30": "the n_steps default None for 0: every"
     " writer of trainer_state.json (Trainer.save, sharded.save_consolidated) writes n_steps,"
     " so the default is never read",

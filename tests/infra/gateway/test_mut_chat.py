@@ -9,7 +9,9 @@ import pytest
 
 from infra.engine.tiny_model import make_tiny_model
 from infra.gateway.chat import (
+    ChatInputError,
     ChatTokenizer,
+    ContextTooLong,
     SessionCalls,
     build_token_input,
     message_key,
@@ -70,3 +72,37 @@ def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok):
     assert with_bos.backend.encode("hello world").ids[0] == tok.im_end_id  # it would add one
     assert with_bos.encode("hello world") == tok.encode("hello world")
     assert tok.im_end_id not in with_bos.encode("hello world")
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "says"),
+    [
+        ({"name": "f"}, "tool_calls must be a list"),
+        (["f"], "each tool call must be an object"),
+        ([{"function": "f"}], "a tool call needs function.name"),
+        ([{"function": {"arguments": "{}"}}], "a tool call needs function.name"),
+        ([{"function": {"name": 3, "arguments": "{}"}}], "a tool call needs function.name"),
+        ([{"name": None}], "a tool call needs function.name"),
+    ],
+)
+def test_a_malformed_tool_call_is_refused_by_its_key(tool_calls, says):
+    # the key of a reply, or of a message of the history, is never made of a tool call
+    # the template could not render (a name that is not a string, no function object)
+    with pytest.raises(ChatInputError, match=says):
+        reply_key("", tool_calls)
+    with pytest.raises(ChatInputError, match=says):
+        message_key({"role": "assistant", "content": "", "tool_calls": tool_calls})
+
+
+def test_context_too_long_says_what_it_knows():
+    err = ContextTooLong(limit=100, known=30, at_least=80, chars=400)
+    assert err.limit == 100 and err.at_least == 110
+    assert str(err) == (
+        "This model's maximum context length is 100 tokens; the input has at least 110 "
+        "(30 tokens before a text of 400 characters, at least 80 tokens by its length; not "
+        "tokenized): shorten it"
+    )
+    assert err.code == "context_length_exceeded"
+    alone = ContextTooLong(limit=100, known=0, at_least=120, chars=500)
+    assert alone.at_least == 120
+    assert "has at least 120 (a text of 500 characters, at least 120 tokens" in str(alone)

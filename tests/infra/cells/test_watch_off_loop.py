@@ -17,6 +17,7 @@ test is the executor's loop, not the cluster.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from infra.cells.executor import EngineSpec, Executor, Group
@@ -69,7 +70,7 @@ def _started(cells: HeldCells, n: int) -> None:
     for _ in range(1000):
         if cells.looks >= n:
             return
-        threading.Event().wait(0.01)
+        time.sleep(0.01)
     raise AssertionError(f"{cells.looks} looks asked for, not {n}")
 
 

@@ -112,6 +112,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
     "infra/gateway/chat.py": (
         "tests/infra/gateway/test_chat.py",
         "tests/infra/gateway/test_chat_body.py",
+        "tests/infra/gateway/test_chat_templates.py",  # the self-check, on templates of all kinds
         "tests/infra/gateway/test_refused_inputs.py",
         "tests/infra/gateway/test_token_bound.py",  # ContextTooLong, before tokenizing
         "tests/infra/gateway/test_gateway.py",  # extend_chat_input, token_str: via the HTTP API
@@ -248,6 +249,72 @@ EQUIVALENT: dict[str, str] = {
     "storage.checkpoints.x_stored_digest__mutmut_7": "exists(None) for the digest file's"
     " path: the check is a shortcut; a missing file's FileNotFoundError is an OSError, caught:"
     " None either way",
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁtoken_str__mutmut_{n}": "the token-text cache"
+        " skipped (not read, or not filled): each text decoded again, the same text"
+        for n in (1, 2, 11)
+    },
+    "infra.gateway.chat.xǁChatTokenizerǁdecode__mutmut_4": "skip_special_tokens=True"
+    " dropped: True is tokenizers' Tokenizer.decode default",
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_{n}": "the backend tokenizer"
+        " found another way: getattr without its default, or hf._tokenizer, is the same"
+        " tokenizers object on a fast tokenizer (the only kind AutoTokenizer loads here)"
+        for n in (4, 5, 9, 10, 11)
+    },
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_{n}": "encode_batch for"
+        " encode_batch_fast (or getattr's default dropped, the attribute exists): the same ids;"
+        " the fast one only skips the offsets"
+        for n in (67, 69, 72, 73, 74)
+    },
+    "infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_16": "_template = '' where"
+    " transformers lacks its private _compile_jinja_template: never here (constraints.txt"
+    " pins a transformers that has it), so no test on this install can reach it",
+    "infra.gateway.chat.xǁChatTokenizerǁencode__mutmut_17": "len(text) > BIG_TEXT for >=:"
+    " a text of exactly BIG_TEXT characters goes by the batch path or the plain one, the"
+    " same ids",
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ{fn}__mutmut_{n}": "render(..., None) for"
+        " add_generation_prompt=False: the template tests it for truth, None renders as False"
+        for fn, n in (("_suffix", 22), ("_suffix_one_render", 26))
+    },
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ_suffix_one_render__mutmut_{n}": "the rendered"
+        " head's cache missed (or cleared at 257 heads, not 256): rendered again, the same"
+        " text"
+        for n in (18, 19, 21, 22)
+    },
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_129": "range from 0:"
+    " messages[0] of each probe is a system or user turn, skipped as not an assistant turn",
+    "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_142": "probe=None for"
+    " probe=False: _suffix tests it for truth",
+    **{
+        f"infra.gateway.chat.x__extend__mutmut_{n}": "find_parent without the hint: the same"
+        " parent, length and hashes, the hashes computed from the start instead of from the"
+        " reply's call's"
+        for n in (29, 31)
+    },
+    **{
+        f"infra.gateway.chat.x{fn}__mutmut_{n}": "hashes= dropped: SessionCalls.add computes"
+        " the chunk hashes of an input given none, the same hashes"
+        for fn, n in (("__extend", 41), ("_build_chat_input", 68), ("_build_token_input", 17))
+    },
+    **{
+        f"infra.gateway.chat.x{fn}__mutmut_{n}": "zip's strict=True dropped: the lists are"
+        " of one length by construction (same_json has checked a == b; blocks and blocks[1:]"
+        " + [None])"
+        for fn, n in (
+            ("__same_types", 17),
+            ("__same_types", 20),
+            ("__same_types", 21),
+            ("_parse_output", 58),
+            ("_parse_output", 61),
+            ("_parse_output", 63),
+        )
+    },
+    "infra.gateway.chat.x_apply_stop__mutmut_10": "i <= best for i < best: a later stop"
+    " string starting at the same index sets best to the same index",
     "infra.gateway.chat.xǁChatTokenizerǁ__init____mutmut_41": _LOG
     + ": an info line's argument dropped (logging reports it and goes on)",
     "infra.gateway.chat.xǁChatTokenizerǁ_check_cap__mutmut_7": "the cap check's probe text in"

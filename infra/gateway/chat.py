@@ -119,11 +119,9 @@ class ChatTokenizer:
             self._template = None
         self._template_kw = dict(self.hf.special_tokens_map)
         self.vocab_size = len(self.hf)
-        self.eos_id = self.hf.eos_token_id
         self.im_end = self.hf.eos_token or "<|im_end|>"
         self.im_end_id = self.hf.convert_tokens_to_ids(self.im_end)
         self._im_end_bytes = self.im_end.encode()
-        self._special_ids = set(self.hf.all_special_ids)
         self._token_str: dict[int, str] = {}
         self._heads: dict[bytes, str] = {}  # rendered system turn (+ tools) of probes
         # what the template cannot show (tools, tool calls, ...) is rewritten before it renders

@@ -5,19 +5,29 @@ keys like an OpenAI one, and null fields of content parts are dropped (not the o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from infra.engine.tiny_model import make_tiny_model
+from infra.gateway import chat
 from infra.gateway.chat import (
+    BIG_TEXT,
+    ChainMemo,
     ChatInputError,
     ChatTokenizer,
     ContextTooLong,
     SessionCalls,
+    apply_stop,
+    build_chat_input,
     build_token_input,
+    message_chain,
     message_key,
     normalize_messages,
+    parse_output,
     reply_key,
+    same_json,
 )
+from infra.gateway.token_bound import min_tokens
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +82,10 @@ def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok):
     assert with_bos.backend.encode("hello world").ids[0] == tok.im_end_id  # it would add one
     assert with_bos.encode("hello world") == tok.encode("hello world")
     assert tok.im_end_id not in with_bos.encode("hello world")
+    big = "hello world " * (BIG_TEXT // 12 + 1)  # the GIL-releasing batch path
+    assert len(big) >= BIG_TEXT
+    assert with_bos.encode(big) == tok.encode(big) == tok.backend.encode(big).ids
+    assert with_bos.encode(big)[0] != tok.im_end_id
 
 
 @pytest.mark.parametrize(
@@ -88,9 +102,9 @@ def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok):
 def test_a_malformed_tool_call_is_refused_by_its_key(tool_calls, says):
     # the key of a reply, or of a message of the history, is never made of a tool call
     # the template could not render (a name that is not a string, no function object)
-    with pytest.raises(ChatInputError, match=says):
+    with pytest.raises(ChatInputError, match=f"^{says}$"):
         reply_key("", tool_calls)
-    with pytest.raises(ChatInputError, match=says):
+    with pytest.raises(ChatInputError, match=f"^{says}$"):
         message_key({"role": "assistant", "content": "", "tool_calls": tool_calls})
 
 
@@ -106,3 +120,174 @@ def test_context_too_long_says_what_it_knows():
     alone = ContextTooLong(limit=100, known=0, at_least=120, chars=500)
     assert alone.at_least == 120
     assert "has at least 120 (a text of 500 characters, at least 120 tokens" in str(alone)
+
+
+def test_a_special_tokens_text_is_its_marker(tok):
+    # the text of each output token (logprobs, stop strings) keeps the end marker
+    assert tok.token_str(tok.im_end_id) == "<|im_end|>"
+    assert tok.token_str(tok.im_end_id) == "<|im_end|>"  # and again, from the cache
+    assert tok.decode([*tok.encode("hi"), tok.im_end_id]) == "hi"  # decode drops it
+
+
+def test_the_end_marker_is_the_tokenizers_eos_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    from infra.engine.tiny_model import make_tiny_model
+
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.eos_token = "<|endoftext|>"
+    hf.save_pretrained(tmp_path)
+    other = ChatTokenizer(str(tmp_path))
+    assert other.im_end == "<|endoftext|>"
+    assert other.im_end_id == hf.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_by_name(tmp_path):
+    from transformers import AutoTokenizer
+
+    from infra.engine.tiny_model import make_tiny_model
+
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.chat_template = None
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ChatInputError, match=f"^tokenizer in {tmp_path} has no chat template$"):
+        ChatTokenizer(str(tmp_path))
+
+
+def test_a_text_that_just_reaches_the_context_is_refused(tok):
+    text = "hello " * 200
+    n = min_tokens(text, tok.token_cap)
+    assert n > 0
+    with pytest.raises(ContextTooLong) as err:  # known + the least it can take == limit
+        tok.encode(text, limit=1000, known=1000 - n)
+    assert err.value.limit == 1000 and err.value.at_least == 1000
+    assert "maximum context length is 1000 tokens" in str(err.value)
+    assert f"a text of {len(text)} characters" in str(err.value)
+    assert tok.encode(text, limit=1001, known=1000 - n) == tok.encode(text)
+
+
+def test_same_json_tells_types_apart_at_every_node():
+    assert same_json({"a": [1, {"b": True}]}, {"a": [1, {"b": True}]})
+    assert same_json("x", "x") and same_json([], [])
+    assert not same_json({"a": [1]}, {"a": [1.0]})  # 1 == 1.0, rendered differently
+    assert not same_json({"a": [1]}, {"a": [True]})
+    assert not same_json([{"b": 1}], [{"b": 1.0}])
+    assert not same_json(1, 1.0) and not same_json(1, True)
+    assert not same_json({"a": 1}, {"a": 2}) and not same_json([1], [1, 2])
+
+
+def _counting(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = chat.message_key
+
+    def counted(msg):
+        seen.append(1)
+        return real(msg)
+
+    monkeypatch.setattr(chat, "message_key", counted)
+    return seen
+
+
+def test_the_chain_memo_rehashes_only_what_changed(monkeypatch):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"n": 1}}}]
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(6)]
+    fresh = message_chain(msgs, tools)
+    memo = ChainMemo()
+    assert message_chain(msgs[:4], tools, memo) == fresh[:5]
+    seen = _counting(monkeypatch)
+    assert message_chain(msgs, tools, memo) == fresh
+    assert len(seen) == 2  # the two new messages only
+    seen.clear()
+    edited = [*msgs[:2], {"role": "user", "content": "other"}, *msgs[3:]]
+    assert message_chain(edited, tools, memo) == message_chain(edited, tools)
+    assert len(seen) == 4 + 6  # from the edit on; then the fresh chain, all 6
+    seen.clear()
+    retyped = [{"type": "function", "function": {"name": "f", "parameters": {"n": 1.0}}}]
+    got = message_chain(edited, retyped, memo)  # the tools' 1 became 1.0: nothing reused
+    assert len(seen) == 6 and got[0] != fresh[0]
+    seen.clear()
+    assert message_chain(edited, retyped, memo) == got and not seen  # all reused
+
+
+def test_the_key_of_a_message_holds_its_name_and_reasoning():
+    base = {"role": "assistant", "content": "x"}
+    keys = {
+        message_key(base),
+        message_key({**base, "name": "a"}),
+        message_key({**base, "name": "b"}),
+        message_key({**base, "reasoning_content": "because"}),
+    }
+    assert len(keys) == 4
+    assert message_key({**base, "name": ""}) == message_key(base)
+
+
+def test_a_tool_call_without_arguments_keys_as_empty_arguments():
+    bare = [{"type": "function", "function": {"name": "f"}}]
+    assert reply_key("", bare) == reply_key("", [{"function": {"name": "f", "arguments": "{}"}}])
+
+
+def test_the_earliest_stop_wins_also_at_the_start():
+    assert apply_stop("stop here, stop there", ["stop"]) == 0
+    assert apply_stop("ab STOP cd STOP", ["STOP"]) == 3
+    assert apply_stop("ab STOP cd END", ["END", "STOP"]) == 3
+    assert apply_stop("abc", ["", "z"]) is None
+
+
+def test_parse_output_keeps_all_the_text_and_fills_arguments():
+    text = 'lead <tool_call>{"name": "f"}</tool_call> mid <tool_call>[{"name": "g", "arguments": {"x": 1}}]</tool_call> tail'
+    content, calls = parse_output(text)
+    assert content == "lead\nmid\ntail"
+    assert [c["function"] for c in calls] == [
+        {"name": "f", "arguments": "{}"},
+        {"name": "g", "arguments": '{"x": 1}'},
+    ]
+    assert all(c["id"].startswith("call_") and len(c["id"]) == 5 + 24 for c in calls)
+    # a block left open with closed ones before it: the whole text is content
+    half = '<tool_call>{"name": "f"}</tool_call> <tool_call>{"name": "g"'
+    assert parse_output(half) == (half, [])
+
+
+def test_messages_refused_say_where():
+    with pytest.raises(ChatInputError, match=r"^messages must be a non-empty list$"):
+        normalize_messages([])
+    with pytest.raises(ChatInputError, match=r"^'messages\[0\]\.role': Field required$"):
+        normalize_messages([{"content": "x"}])
+
+
+def test_a_developer_turn_is_a_system_turn_and_calls_lose_their_nulls():
+    got = normalize_messages(
+        [
+            {"role": "developer", "content": "rules"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        ]
+    )  # fmt: skip
+    assert got[0] == {"role": "system", "content": "rules"}
+    assert got[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
+
+
+def test_inputs_are_int32_ids(tok):
+    assert build_token_input(SessionCalls(), [3, 4]).input_ids.dtype == np.int32
+    inp = build_chat_input(tok, SessionCalls(), [{"role": "user", "content": "hi"}], None)
+    assert inp.input_ids.dtype == np.int32 and inp.mode == "branch"
+
+
+def test_the_length_bound_counts_added_tokens(tmp_path):
+    # an added token longer than any other is one token for its whole text: a bound from the
+    # base vocabulary alone would refuse a text of them as too long for a context it fits
+    from transformers import AutoTokenizer
+
+    from infra.engine.tiny_model import make_tiny_model
+
+    long = "<|" + "x" * 60 + "|>"
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.add_special_tokens({"additional_special_tokens": [long]})
+    hf.save_pretrained(tmp_path)
+    tok = ChatTokenizer(str(tmp_path))
+    text = long * 100
+    assert len(tok.encode(text)) == 100
+    assert tok.token_cap is None or tok.token_cap >= len(long)
+    assert tok.encode(text, limit=101) == tok.encode(text)  # it fits: not refused

@@ -66,25 +66,29 @@ def test_content_parts_lose_only_their_null_fields():
     assert got == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
 
-def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok):
+def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok, tmp_path):
     # the tiny tokenizer adds none by itself: give a copy a post-processor that prepends one
-    # (as Llama's does), and the text must still be its tokens alone (the template has them)
-    import copy
+    # (as Llama's does), and the text must still be its tokens alone (the template has them),
+    # on the plain path and on the long texts' batch path
+    from tokenizers import processors
+    from transformers import AutoTokenizer
 
-    from tokenizers import Tokenizer, processors
+    from infra.engine.tiny_model import make_tiny_model
 
     bos = tok.im_end  # any special token the vocabulary has
-    with_bos = copy.copy(tok)
-    with_bos.backend = Tokenizer.from_str(tok.backend.to_str())
-    with_bos.backend.post_processor = processors.TemplateProcessing(
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, tok.im_end_id)]
     )
+    hf.save_pretrained(tmp_path)
+    with_bos = ChatTokenizer(str(tmp_path))
     assert with_bos.backend.encode("hello world").ids[0] == tok.im_end_id  # it would add one
     assert with_bos.encode("hello world") == tok.encode("hello world")
     assert tok.im_end_id not in with_bos.encode("hello world")
     big = "hello world " * (BIG_TEXT // 12 + 1)  # the GIL-releasing batch path
     assert len(big) >= BIG_TEXT
-    assert with_bos.encode(big) == tok.encode(big) == tok.backend.encode(big).ids
+    assert with_bos.backend.encode(big).ids[0] == tok.im_end_id
+    assert with_bos.encode(big) == tok.encode(big)
     assert with_bos.encode(big)[0] != tok.im_end_id
 
 
@@ -291,3 +295,24 @@ def test_the_length_bound_counts_added_tokens(tmp_path):
     assert len(tok.encode(text)) == 100
     assert tok.token_cap is None or tok.token_cap >= len(long)
     assert tok.encode(text, limit=101) == tok.encode(text)  # it fits: not refused
+
+
+def test_a_length_bound_the_tokenizer_breaks_is_dropped(tok):
+    # the bound is kept only if the tokenizer keeps it on the probe: one that claims every
+    # token is at most one character long is broken by any word, and gives no bound
+    assert tok._check_cap(tok.token_cap) == tok.token_cap
+    assert tok._check_cap(1) is None
+    assert tok._check_cap(None) is None
+
+
+def test_without_an_eos_token_the_end_marker_is_chatmls(tmp_path):
+    from transformers import AutoTokenizer
+
+    from infra.engine.tiny_model import make_tiny_model
+
+    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf.eos_token = None
+    hf.save_pretrained(tmp_path)
+    bare = ChatTokenizer(str(tmp_path))
+    assert bare.hf.eos_token is None
+    assert bare.im_end == "<|im_end|>" and bare.im_end_id == hf.convert_tokens_to_ids("<|im_end|>")

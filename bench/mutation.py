@@ -382,10 +382,26 @@ EQUIVALENT: dict[str, str] = {
             ("_parse_output", 63),
         )
     },
+    "infra.gateway.chat.x_build_chat_input__mutmut_19": "after_at 1 for 0 where no earlier"
+    " call is extended (after is None): it is read only with after (ChatBody.request_json"
+    " stores messages[at:] only when after is set), the same stored request",
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ{fn}__mutmut_6": "k >= 0 for k > 0: at k = 0"
+        " messages[0] is the reply itself (an assistant turn), never a system turn: no head"
+        " either way"
+        for fn in ("_suffix", "_suffix_one_render")
+    },
     "infra.gateway.chat.x_apply_stop__mutmut_10": "i <= best for i < best: a later stop"
     " string starting at the same index sets best to the same index",
     "infra.gateway.chat.xǁChatTokenizerǁ_check_cap__mutmut_7": "the cap check's probe text in"
     " upper case: the same long and short tokens, the same verdict",
+    **{
+        f"infra.gateway.chat.xǁChatTokenizerǁ_check_cap__mutmut_{n}": "the cap check's probe"
+        " text with one more repeat, XX around a piece, or a piece in upper case: the same"
+        " kinds of long and short tokens, the same verdict (kept on the tiny tokenizer, broken"
+        " by a cap of 1: test_mut_chat.py)"
+        for n in (6, 8, 10, 11, 12, 14, 15)
+    },
     "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_76": _PROBE,
     "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_91": _PROBE,
     "infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_117": _PROBE,

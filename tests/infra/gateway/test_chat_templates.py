@@ -408,3 +408,35 @@ def test_the_extend_paths_on_bodies_of_every_shape(tmp_path, monkeypatch):
     seen.clear()
     build_chat_input(tok, calls, [*body, reply, {"role": "user", "content": "end"}], None)
     assert len(seen) <= 2 + 3  # the two new messages' keys (+ the reply lookups' digests)
+
+
+def test_a_body_sent_again_after_the_model_repeated_its_last_turn_is_not_an_extension(
+    tmp_path,
+):
+    # a call on [u, a] whose reply was a's text again: the same body sent once more holds no
+    # reply of that call (that would be [u, a, a]); it is templated whole, by both paths
+    from infra.gateway.chat import (
+        SessionCalls,
+        build_chat_input,
+        extend_chat_input,
+        message_chain,
+        parse_output,
+        reply_key,
+    )
+
+    tok = ChatTokenizer(tokenizer_with_template(tmp_path, _template()))
+    calls = SessionCalls()
+    head = {"role": "system", "content": "be brief"}
+    body = [head, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "same"}]
+    inp1 = build_chat_input(tok, calls, body, None)
+    out = [*tok.encode("same"), tok.im_end_id]
+    content, tcs = parse_output(tok.decode(out))
+    assert content == "same"
+    calls.add(
+        "r1", 0, inp1, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
+    )
+    again = build_chat_input(tok, calls, body, None)
+    assert again.mode == "branch" and again.after is None
+    assert again.input_ids.tolist() == tok.encode(tok.render(body, None, True))
+    key = message_chain(body[:1], None)[-1]
+    assert extend_chat_input(tok, calls, head, 1, body[1:], None, key) is None

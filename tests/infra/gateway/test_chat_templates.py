@@ -83,6 +83,19 @@ RAISES_ON_SYSTEM = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# no turn headers (contents and end markers only; a header for the prompt alone): an empty
+# reply renders as its end marker alone, at position 0 of a probe's rendering
+HEADERLESS = (
+    "{% for m in messages %}{{ m.content + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# the same with each tool call a closed block of its own (two renders per suffix)
+HEADERLESS_CALL_BLOCKS = HEADERLESS.replace(
+    "'<|im_end|>' }}",
+    "'<|im_end|>' }}{% for tc in m.tool_calls or [] %}"
+    "{{ '<tool_call>' + tc.function.name + '</tool_call><|im_end|>' }}{% endfor %}",
+)
+
 # name -> (template, message-local, one-render suffix)
 TEMPLATES = {
     "strict": (_template(), True, True),
@@ -92,12 +105,10 @@ TEMPLATES = {
     "call-blocks-inline-tools": (_template(call_blocks=True, inline_tools=True), True, False),
     "persona": (_template(persona=True), True, True),
     "persona-call-blocks": (_template(persona=True, call_blocks=True), True, False),
-    "smol": (SMOL_TEMPLATE, True, False),
-    "raises-on-system": (
-        RAISES_ON_SYSTEM,
-        False,
-        False,
-    ),  # a default system turn when none is given
+    "smol": (SMOL_TEMPLATE, True, False),  # a default system turn when none is given
+    "raises-on-system": (RAISES_ON_SYSTEM, False, False),
+    "headerless": (HEADERLESS, True, True),
+    "headerless-call-blocks": (HEADERLESS_CALL_BLOCKS, True, False),
     "numbered": (_template(number="true"), False, False),
     "numbered-after-system": (_template(number="messages[0].role == 'system'"), False, False),
     "numbered-with-tools": (_template(number="tools"), False, False),
@@ -122,6 +133,8 @@ def _conversations() -> list[list[dict]]:
         {"role": "tool", "tool_call_id": "c-mul", "content": "9"},
         {"role": "assistant", "content": "3 and 9"},
         {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": ""},  # an empty reply
+        {"role": "user", "content": "bye"},
     ]
     return [[{"role": "system", "content": "be brief"}, *body], body]
 

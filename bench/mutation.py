@@ -289,7 +289,7 @@ EQUIVALENT: dict[str, str] = {
         f"infra.gateway.chat.xǁChatTokenizerǁ_check_message_local__mutmut_{n}": _PROBE
         + ": a probe message's words, its tool definition's or tool call's fields, or its"
         " content key (a message without one renders as empty content): the verdict rests on"
-        " the roles and the order of the turns, which stay (the 10 templates of"
+        " the roles and the order of the turns, which stay (the 15 templates of"
         " test_chat_templates.py, message-local or not, gave the same verdicts with each)"
         for n in (
             2,

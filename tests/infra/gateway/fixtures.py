@@ -7,7 +7,8 @@ random-weight tiny model still "decides" to call a tool. A scripted token is tea
 reported logprob is still the model's own ``log_softmax`` of that token.
 
 `tokenizer_with_template` gives the tiny tokenizer another chat template, e.g. `SMOL_TEMPLATE`
-(SmolLM2-135M-Instruct's: ChatML, a default system prompt, no tool section).
+(SmolLM2-135M-Instruct's: ChatML, a default system prompt, no tool section). `add_call`
+records a finished call in a session as the gateway does (its reply keyed as parsed).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infra.engine.engine import Engine
 from infra.engine.server import EngineServer
 from infra.engine.tiny_model import make_tiny_model
+from infra.gateway.chat import ChatTokenizer, SessionCalls, parse_output, reply_key
 from storage.tito import reconstruct_inputs
 from storage.tito_log import table_to_records
 
@@ -97,6 +100,34 @@ def tokenizer_with_template(out: Path, template: str) -> str:
     hf.chat_template = template
     hf.save_pretrained(out)
     return str(out)
+
+
+def add_call(
+    tok: ChatTokenizer, calls: SessionCalls, rid: str, seq: int, inp, out: list[int]
+) -> tuple[str | None, list[dict]]:
+    """Record call ``rid`` (input ``inp``, output ids ``out``) in ``calls`` with its reply
+    keyed as the gateway parses it; returns that reply's (content, tool_calls)."""
+    content, tcs = parse_output(tok.decode(out))
+    calls.add(
+        rid, seq, inp, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
+    )
+    return content, tcs
+
+
+def count_message_keys(monkeypatch) -> list[int]:
+    """A list that grows by one at each message key `infra.gateway.chat` computes (what its
+    chain memo is there to save)."""
+    from infra.gateway import chat
+
+    seen: list[int] = []
+    real = chat.message_key
+
+    def counted(msg):
+        seen.append(1)
+        return real(msg)
+
+    monkeypatch.setattr(chat, "message_key", counted)
+    return seen
 
 
 def exact_records(gw, sid: str, eng: ScriptedEngine) -> list:

@@ -12,8 +12,21 @@ import logging
 import numpy as np
 import pytest
 
-from infra.gateway.chat import ChatInputError, ChatTokenizer
-from tests.infra.gateway.fixtures import SMOL_TEMPLATE, tokenizer_with_template
+from infra.gateway.chat import (
+    ChatInputError,
+    ChatTokenizer,
+    ContextTooLong,
+    SessionCalls,
+    build_chat_input,
+    extend_chat_input,
+    message_chain,
+)
+from tests.infra.gateway.fixtures import (
+    SMOL_TEMPLATE,
+    add_call,
+    count_message_keys,
+    tokenizer_with_template,
+)
 
 
 def _template(
@@ -146,6 +159,11 @@ def case(request, tmp_path_factory) -> tuple[ChatTokenizer, bool, bool]:
     return tok, local, fast
 
 
+def _tool_sets(tok: ChatTokenizer) -> tuple:
+    """Without tools, and with them where the template has a place for them."""
+    return (None,) if tok.shows.mode == "refused" else (None, TOOLS)
+
+
 def _renderable(tok: ChatTokenizer) -> list[list[dict]]:
     """The test conversations this template renders (all but the system one's, for one)."""
     convs = _conversations()
@@ -167,10 +185,9 @@ def test_the_self_check_takes_the_fast_paths_only_where_they_are_right(case):
 
 def test_the_text_after_each_reply_is_the_textbook_suffix(case):
     tok, _, _ = case
-    tool_sets = (None,) if tok.shows.mode == "refused" else (None, TOOLS)
     checked = 0
     for msgs in _conversations():
-        for tools in tool_sets:
+        for tools in _tool_sets(tok):
             for k, m in enumerate(msgs):
                 if m["role"] == "assistant":
                     try:
@@ -193,21 +210,18 @@ def test_a_prompt_ends_with_the_assistant_header(case):
 def test_the_fallback_renderer_renders_what_the_compiled_template_does(case, monkeypatch):
     # without transformers' private compiled template, its public apply_chat_template
     tok, _, _ = case
-    tool_sets = (None,) if tok.shows.mode == "refused" else (None, TOOLS)
-    want = [
-        tok.render(msgs, tools, gen)
-        for msgs in _renderable(tok)
-        for tools in tool_sets
-        for gen in (False, True)
-    ]
+
+    def renders() -> list[str]:
+        return [
+            tok.render(msgs, tools, gen)
+            for msgs in _renderable(tok)
+            for tools in _tool_sets(tok)
+            for gen in (False, True)
+        ]
+
+    want = renders()
     monkeypatch.setattr(tok, "_template", None)
-    got = [
-        tok.render(msgs, tools, gen)
-        for msgs in _renderable(tok)
-        for tools in tool_sets
-        for gen in (False, True)
-    ]
-    assert got == want
+    assert renders() == want
     if "a system turn must come first" in tok.hf.chat_template:  # and fails as it does
         with pytest.raises(ChatInputError, match="with the chat template: a system turn must"):
             tok.render([{"role": "system", "content": "s"}] * 2, None, True)
@@ -268,15 +282,6 @@ def _tokens_text(tok: ChatTokenizer, ids) -> str:
 
 
 def test_a_next_turn_extends_the_call_before_it_token_exactly(case):
-    from infra.gateway.chat import (
-        ContextTooLong,
-        SessionCalls,
-        build_chat_input,
-        extend_chat_input,
-        message_chain,
-        parse_output,
-        reply_key,
-    )
 
     tok, local, _ = case
     tools = None if tok.shows.mode == "refused" else TOOLS
@@ -286,10 +291,7 @@ def test_a_next_turn_extends_the_call_before_it_token_exactly(case):
     inp1 = build_chat_input(tok, calls, m1, tools)
     assert inp1.mode == "branch"
     out = [*tok.encode("hello there"), tok.im_end_id]
-    content, tcs = parse_output(tok.decode(out))
-    calls.add(
-        "r1", 0, inp1, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
-    )
+    content, _ = add_call(tok, calls, "r1", 0, inp1, out)
     m2 = [*m1, {"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
     inp2 = build_chat_input(tok, calls, m2, tools)
     ctx = [*inp1.input_ids.tolist(), *out]
@@ -324,17 +326,13 @@ MARKS_LAST = (
 
 
 def test_a_template_that_is_not_prefix_stable_renders_everything(tmp_path):
-    from infra.gateway.chat import SessionCalls, build_chat_input, parse_output, reply_key
 
     tok = ChatTokenizer(tokenizer_with_template(tmp_path, MARKS_LAST))
     m1 = [{"role": "user", "content": "hi"}]
     calls = SessionCalls()
     inp1 = build_chat_input(tok, calls, m1, None)
     out = [*tok.encode("hello"), tok.im_end_id]
-    content, tcs = parse_output(tok.decode(out))
-    calls.add(
-        "r1", 0, inp1, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
-    )
+    content, _ = add_call(tok, calls, "r1", 0, inp1, out)
     m2 = [*m1, {"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
     assert tok.suffix_after_reply(m2, 1, None) is None  # no text follows the reply as such
     inp2 = build_chat_input(tok, calls, m2, None)
@@ -361,16 +359,6 @@ def test_a_content_part_the_template_cannot_show_is_refused_saying_which(tmp_pat
 
 
 def test_the_extend_paths_on_bodies_of_every_shape(tmp_path, monkeypatch):
-    from infra.gateway import chat
-    from infra.gateway.chat import (
-        ContextTooLong,
-        SessionCalls,
-        build_chat_input,
-        extend_chat_input,
-        message_chain,
-        parse_output,
-        reply_key,
-    )
 
     tok = ChatTokenizer(tokenizer_with_template(tmp_path, _template(persona=True)))
     calls = SessionCalls()
@@ -379,10 +367,7 @@ def test_the_extend_paths_on_bodies_of_every_shape(tmp_path, monkeypatch):
     m1 = [*m0, u]  # the call was made on one more message than the last body held
     inp1 = build_chat_input(tok, calls, m1, None)
     out = [*tok.encode("hello there"), tok.im_end_id]
-    content, tcs = parse_output(tok.decode(out))
-    calls.add(
-        "r1", 0, inp1, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
-    )
+    content, _ = add_call(tok, calls, "r1", 0, inp1, out)
     reply = {"role": "assistant", "content": content}
     key0 = message_chain(m0, None)[-1]
 
@@ -413,9 +398,7 @@ def test_the_extend_paths_on_bodies_of_every_shape(tmp_path, monkeypatch):
         build_chat_input(tok, calls, [*m0, *new], None, limit=ctx + 1)
 
     # the session's chain memo: a next body re-keys its new messages only
-    seen: list[int] = []
-    real = chat.message_key
-    monkeypatch.setattr(chat, "message_key", lambda m: seen.append(1) or real(m))
+    seen = count_message_keys(monkeypatch)
     body = [*m0, *new]
     build_chat_input(tok, calls, body, None)
     seen.clear()
@@ -428,14 +411,6 @@ def test_a_body_sent_again_after_the_model_repeated_its_last_turn_is_not_an_exte
 ):
     # a call on [u, a] whose reply was a's text again: the same body sent once more holds no
     # reply of that call (that would be [u, a, a]); it is templated whole, by both paths
-    from infra.gateway.chat import (
-        SessionCalls,
-        build_chat_input,
-        extend_chat_input,
-        message_chain,
-        parse_output,
-        reply_key,
-    )
 
     tok = ChatTokenizer(tokenizer_with_template(tmp_path, _template()))
     calls = SessionCalls()
@@ -443,11 +418,7 @@ def test_a_body_sent_again_after_the_model_repeated_its_last_turn_is_not_an_exte
     body = [head, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "same"}]
     inp1 = build_chat_input(tok, calls, body, None)
     out = [*tok.encode("same"), tok.im_end_id]
-    content, tcs = parse_output(tok.decode(out))
-    assert content == "same"
-    calls.add(
-        "r1", 0, inp1, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
-    )
+    assert add_call(tok, calls, "r1", 0, inp1, out) == ("same", [])
     again = build_chat_input(tok, calls, body, None)
     assert again.mode == "branch" and again.after is None
     assert again.input_ids.tolist() == tok.encode(tok.render(body, None, True))

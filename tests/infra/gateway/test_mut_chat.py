@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from infra.engine.tiny_model import make_tiny_model
-from infra.gateway import chat
 from infra.gateway.chat import (
     BIG_TEXT,
     ChainMemo,
@@ -28,6 +27,14 @@ from infra.gateway.chat import (
     same_json,
 )
 from infra.gateway.token_bound import min_tokens
+from tests.infra.gateway.fixtures import count_message_keys
+
+
+def _tiny_hf():
+    """A fresh copy of the tiny model's HF tokenizer, to edit and save elsewhere."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_tiny_model())
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +78,9 @@ def test_encode_adds_no_special_tokens_even_where_the_tokenizer_would(tok, tmp_p
     # (as Llama's does), and the text must still be its tokens alone (the template has them),
     # on the plain path and on the long texts' batch path
     from tokenizers import processors
-    from transformers import AutoTokenizer
-
-    from infra.engine.tiny_model import make_tiny_model
 
     bos = tok.im_end  # any special token the vocabulary has
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf = _tiny_hf()
     hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, tok.im_end_id)]
     )
@@ -134,11 +138,7 @@ def test_a_special_tokens_text_is_its_marker(tok):
 
 
 def test_the_end_marker_is_the_tokenizers_eos_token(tmp_path):
-    from transformers import AutoTokenizer
-
-    from infra.engine.tiny_model import make_tiny_model
-
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf = _tiny_hf()
     hf.eos_token = "<|endoftext|>"
     hf.save_pretrained(tmp_path)
     other = ChatTokenizer(str(tmp_path))
@@ -147,11 +147,7 @@ def test_the_end_marker_is_the_tokenizers_eos_token(tmp_path):
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_by_name(tmp_path):
-    from transformers import AutoTokenizer
-
-    from infra.engine.tiny_model import make_tiny_model
-
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf = _tiny_hf()
     hf.chat_template = None
     hf.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
@@ -181,25 +177,13 @@ def test_same_json_tells_types_apart_at_every_node():
     assert not same_json({"a": 1}, {"a": 2}) and not same_json([1], [1, 2])
 
 
-def _counting(monkeypatch) -> list[int]:
-    seen: list[int] = []
-    real = chat.message_key
-
-    def counted(msg):
-        seen.append(1)
-        return real(msg)
-
-    monkeypatch.setattr(chat, "message_key", counted)
-    return seen
-
-
 def test_the_chain_memo_rehashes_only_what_changed(monkeypatch):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"n": 1}}}]
     msgs = [{"role": "user", "content": f"m{i}"} for i in range(6)]
     fresh = message_chain(msgs, tools)
     memo = ChainMemo()
     assert message_chain(msgs[:4], tools, memo) == fresh[:5]
-    seen = _counting(monkeypatch)
+    seen = count_message_keys(monkeypatch)
     assert message_chain(msgs, tools, memo) == fresh
     assert len(seen) == 2  # the two new messages only
     seen.clear()
@@ -282,12 +266,8 @@ def test_inputs_are_int32_ids(tok):
 def test_the_length_bound_counts_added_tokens(tmp_path):
     # an added token longer than any other is one token for its whole text: a bound from the
     # base vocabulary alone would refuse a text of them as too long for a context it fits
-    from transformers import AutoTokenizer
-
-    from infra.engine.tiny_model import make_tiny_model
-
     long = "<|" + "x" * 60 + "|>"
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf = _tiny_hf()
     hf.add_special_tokens({"additional_special_tokens": [long]})
     hf.save_pretrained(tmp_path)
     tok = ChatTokenizer(str(tmp_path))
@@ -306,11 +286,7 @@ def test_a_length_bound_the_tokenizer_breaks_is_dropped(tok):
 
 
 def test_without_an_eos_token_the_end_marker_is_chatmls(tmp_path):
-    from transformers import AutoTokenizer
-
-    from infra.engine.tiny_model import make_tiny_model
-
-    hf = AutoTokenizer.from_pretrained(make_tiny_model())
+    hf = _tiny_hf()
     hf.eos_token = None
     hf.save_pretrained(tmp_path)
     bare = ChatTokenizer(str(tmp_path))

@@ -13,7 +13,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
@@ -34,6 +33,7 @@ from storage.store import Store
 from tests.infra.gateway.fixtures import (
     SMOL_TEMPLATE,
     ScriptedEngine,
+    add_call,
     exact_records,
     tokenizer_with_template,
 )
@@ -199,14 +199,6 @@ def _generated(tok: ChatTokenizer, text: str) -> list[int]:
     return [t for ch in text for t in tok.encode(ch)] + [tok.im_end_id]
 
 
-def _add(tok, calls, rid, seq, inp, out):
-    content, tcs = parse_output(tok.decode(out))
-    calls.add(
-        rid, seq, inp, np.asarray(out), reply=reply_key(content, tcs), im_end_id=tok.im_end_id
-    )
-    return content, tcs
-
-
 def _multi_turn_exact(tok: ChatTokenizer, system: list[dict]) -> None:
     calls = SessionCalls()
     m1 = [*system, {"role": "user", "content": "What is 17 + 25?"}]
@@ -214,7 +206,7 @@ def _multi_turn_exact(tok: ChatTokenizer, system: list[dict]) -> None:
     assert inp1.input_ids.tolist() == tok.encode(tok.render(m1, TOOLS, True))
     assert '"name": "add"' in tok.decode(inp1.input_ids)  # the tools reached the model
     out1 = _generated(tok, CALL)
-    content, tcs = _add(tok, calls, "r1", 0, inp1, out1)
+    content, tcs = add_call(tok, calls, "r1", 0, inp1, out1)
     assert tcs and tcs[0]["function"]["name"] == "add"
     echoed = {"role": "assistant", "content": content, "tool_calls": tcs, "refusal": None}
     m2 = [*m1, echoed, {"role": "tool", "tool_call_id": tcs[0]["id"], "content": "42"}]
@@ -226,7 +218,7 @@ def _multi_turn_exact(tok: ChatTokenizer, system: list[dict]) -> None:
     suffix = tok.decode(inp2.new_input_ids)
     assert suffix.startswith("\n") and "42" in suffix and "system" not in suffix
     out2 = _generated(tok, "17 + 25 = 42.")
-    content2, _ = _add(tok, calls, "r2", 1, inp2, out2)
+    content2, _ = add_call(tok, calls, "r2", 1, inp2, out2)
     m3 = [*m2, {"role": "assistant", "content": content2}, {"role": "user", "content": "Thanks"}]
     inp3 = build_chat_input(tok, calls, normalize_messages(m3), TOOLS)
     ctx2 = inp2.input_ids.tolist() + out2
@@ -273,7 +265,7 @@ def test_default_system_prompt_over_turns_without_tools(smol):
     ctx = inp.input_ids.tolist()
     for turn in range(3):
         out = _generated(smol, f"Reply {turn}.")
-        content, _ = _add(smol, calls, f"r{turn}", turn, inp, out)
+        content, _ = add_call(smol, calls, f"r{turn}", turn, inp, out)
         ctx += out
         m = [*m, {"role": "assistant", "content": content}, {"role": "user", "content": f"U{turn}"}]
         inp = build_chat_input(smol, calls, m, None)

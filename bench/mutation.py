@@ -127,6 +127,13 @@ DOCS = ("README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "Makefile", "constraint
 # Keys are mutmut's (function + its number); they shift when the function's code changes,
 # and the bench then reports the mutant as survived again, to be triaged again.
 _PROBE = "the self-check's probe data: the template's verdict is the same with it"
+_GLOO_DEVICE = (
+    "the member's device None, dropped or the CPU for CUDA: on gloo (every fast test) the device"
+    " is the CPU, where .to(None) and a tensor made without a device are the same; the CUDA"
+    " branch is NCCL's, which only a GPU run can form"
+)
+_LIBUV = "the store's use_libuv None or False: both TCPStore transports speak the same protocol"
+_STRICT = "zip's strict None or dropped for False, or False for True: the lists are one length"
 _PRCTL = "prctl(PR_SET_NAME, name, ...)'s 3rd to 5th arguments: the kernel reads only the name"
 _SUPPRESS = (
     "the exceptions a prctl call suppresses: on Linux with glibc neither is raised (prctl"
@@ -413,6 +420,111 @@ EQUIVALENT: dict[str, str] = {
     "tasks.train.dp.xǁDPGroupǁbroadcast_state__mutmut_22": "t.to(None) for t.to(self.device):"
     " on gloo the device is the CPU, where both return t itself; on NCCL the tensor would stay"
     " on the CPU and the broadcast fail, which only a GPU run (no fast test) can see",
+    **{
+        f"tasks.train.dp.x{f}__mutmut_{n}": why
+        for f, ns, why in (
+            (
+                "ǁDPGroupǁ__init__",
+                (3,),
+                "DPGroup's default timeout 601 s for 600 s: only a wait"
+                " of ten minutes tells them apart; every test gives its own",
+            ),
+            (
+                "ǁDPGroupǁ__init__",
+                (19,),
+                "group_count 1 for 0: every member of a generation"
+                " runs the same line, so all name the group alike (the bug it guards, a failed"
+                " formation's count carried over, needs members that differ: test_dp.py)",
+            ),
+            ("ǁDPGroupǁ__init__", (26, 31, 33), _LIBUV),
+            ("ǁDPGroupǁ__init__", (29,), "is_master=False dropped: TCPStore's default is False"),
+            (
+                "ǁDPGroupǁ__init__",
+                (30, 43, 48),
+                "the store client's or the group's timeout"
+                " dropped or None: torch's defaults (5 and 30 min) differ from the given one only"
+                " in a wait that long; a member left alone still fails on the store's own wait",
+            ),
+            (
+                "ǁDPGroupǁ__init__",
+                (39, 44),
+                "init_process_group's backend None or dropped:"
+                " torch's default picks gloo for CPU tensors, the same group (on a GPU it would"
+                " add NCCL, which no fast test can form)",
+            ),
+            (
+                "ǁDPGroupǁ__init__",
+                (50,),
+                "self._client = None: the PrefixStore the group"
+                " holds keeps its own reference to the client store",
+            ),
+            ("ǁDPGroupǁ__init__", (53, 54, 56, 57, 58, 60, 61), _GLOO_DEVICE),
+            ("ǁDPGroupǁ_all_reduce", (2, 7), _GLOO_DEVICE),
+            ("ǁDPGroupǁ_all_reduce", (6,), "all_reduce's op dropped: its default is SUM"),
+            ("ǁDPGroupǁall_gather_ints", (4, 7, 16, 19), _GLOO_DEVICE),
+            (
+                "ǁDPGroupǁall_gather_ints",
+                (15, 18),
+                "dtype None or dropped: torch.tensor of Python ints is int64 already",
+            ),
+            ("ǁDPGroupǁreduce_grads", (15, 18, 19), _STRICT),
+            (
+                "ǁDPGroupǁreduce_grads",
+                (9,),
+                "a gradient's flag 2.0 for 1.0: only `h > 0` of the summed flags is read",
+            ),
+            ("ǁDPGroupǁreduce_metrics", (32, 35), _STRICT),
+            (
+                "ǁDPGroupǁreduce_metrics",
+                (18, 40, 42),
+                "train/trainable_tokens' default 1,"
+                " None or none where a member has no such key: then no member has it (one code,"
+                " one metrics schema), n_train is falsy and the fraction 0.0 whatever the sum",
+            ),
+            (
+                "__init_opt_state",
+                (8, 10),
+                "the step counter's dtype None or dropped: float32 is torch's default dtype",
+            ),
+            (
+                "__init_opt_state",
+                (15, 17, 22, 24),
+                "zeros_like's memory_format None or dropped: preserve_format is its default",
+            ),
+            (
+                "_shard",
+                (3,),
+                "every member's load starting at 1 for 0: the same offset on"
+                " each, so the least loaded is the same member",
+            ),
+            (
+                "_host_store",
+                (3,),
+                "the store server's default timeout 601 s for 600 s: only"
+                " a wait of ten minutes on the server tells them apart",
+            ),
+            (
+                "_host_store",
+                (8, 14, 18),
+                "wait_for_workers None, dropped or True: with no"
+                " world size the server waits for no one",
+            ),
+            ("_host_store", (10, 16, 20), _LIBUV),
+            (
+                "_host_store",
+                (15,),
+                "the server's timeout dropped: its default (5 min) differs"
+                " only in a wait on the server object itself, which no member makes",
+            ),
+            (
+                "_pace",
+                (5,),
+                "left >= 0 for left > 0: at exactly 0 it sleeps 0 s and returns"
+                " 0.0, as the other branch does",
+            ),
+        )
+        for n in ns
+    },
     "tasks.sched.bound.x__programme__mutmut_61": "the window loop from 0 for from p: an"
     " iteration q < p neither moves s or prev (only q > p does) nor emits a state (only"
     " q >= lo_q >= p does), so the states and bounds are the same",

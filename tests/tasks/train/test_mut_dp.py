@@ -25,8 +25,12 @@ the sender's layout, and with the sender's values its next update is the sender'
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
+import os
 import queue
+import re
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -210,3 +214,251 @@ def test_auto_backend_and_a_plans_rendezvous():
         groups=(0,), segments=(), shuffle_seed=0, workers=(),
     )  # fmt: skip
     assert plan.rendezvous(1) == dp.Rendezvous("10.0.0.1", 4321, 7, 1, 3)
+
+
+# -- sync_state and broadcast_state over three real members (rank 0 in this process) -----
+#
+# The whole-set mutation run (bench/mutation.py --sample 0, issue 26) found them reached only
+# by slow tests: every mutant of the join's state transfer survived the fast suite.
+
+
+def _replica(seed: int, version: int, steps: int) -> SimpleNamespace:
+    """A trainer replica: a model, its AdamW stepped ``steps`` times, its counters."""
+    t = _trainer(seed)
+    for k in range(steps):
+        _step(t, 100 + seed * 10 + k)
+    t.version, t.n_steps = version, steps
+    return t
+
+
+def _state(t: SimpleNamespace | None) -> dict | None:
+    if t is None:
+        return None
+    return {
+        "params": [p.detach().clone().tolist() for p in t.model.parameters()],
+        "opt": [x.clone().tolist() for x in dp._opt_tensors(t)],
+        "version": t.version,
+        "n_steps": t.n_steps,
+    }
+
+
+# each round: (version, {rank: (seed, version, steps) of its replica or None})
+ROUNDS = (
+    (3, {0: None, 1: (1, 3, 2), 2: (2, 3, 1)}),  # rank 0 has none: loads, then receives rank 1's
+    (5, {0: (0, 4, 1), 1: (1, 5, 2), 2: (2, 5, 3)}),  # rank 0's is older: no load, receives
+    (6, {0: (0, 6, 0), 1: None, 2: (2, 2, 0)}),  # the holder has no optimizer state yet
+    (7, {0: (0, 7, 1), 1: (1, 7, 1), 2: (2, 7, 1)}),  # every member holds it: kept
+    (8, {0: (0, 7, 1), 1: None, 2: (2, 1, 1)}),  # none holds it: each loads the checkpoint
+)
+LOADED = (9, 0)  # what load() restores: (seed, steps); its version is the round's
+
+
+def _sync_member(port: int, rank: int, out, local_host: str | None = None, **kw) -> None:
+    """``kw``: DPGroup's backend (gloo unless given; rank 0 takes its default)."""
+    try:
+        group = dp.DPGroup(
+            dp.Rendezvous("127.0.0.1", port, 0, rank, 3),
+            local_host=local_host,
+            **(kw or {"backend": "gloo", "timeout_s": 60}),
+        )
+        res: dict = {"formed_s": group.formed_s, "ifname": os.environ.get(dp.GLOO_IFNAME)}
+        try:
+            for version, plan in ROUNDS:
+                spec = plan[rank]
+                mine = None if spec is None else _replica(*spec)
+                loads = []
+
+                def load(version=version, loads=loads):
+                    loads.append(version)
+                    return _replica(LOADED[0], version, LOADED[1])
+
+                got, how = dp.sync_state(group, mine, version, load)
+                res[version] = (how, loads, got is mine, _state(got))
+            res["no_clip"] = group.reduce_metrics(
+                {"train/loss": 1.0, "train/trainable_tokens": 5.0}
+            )
+            res["no_tokens"] = group.reduce_metrics({"train/loss": 1.0, "train/clip_fraction": 0.5})
+        finally:
+            group.close()
+        out.put((rank, res))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def _routable_address() -> tuple[str, str] | None:
+    """A non-loopback IPv4 address of this machine and its interface (None if it has none)."""
+    import socket
+
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address, name
+    return None
+
+
+def test_sync_state_brings_every_member_to_the_version(caplog, monkeypatch):
+    """Three members, five rounds: the lowest-ranked holder's model, optimizer moments and
+    counters reach every other member exactly (a member with no replica loads one to receive
+    into, one with an older replica does not load); all holders keep theirs; none holding it,
+    each loads the checkpoint. Rank 0 takes the default backend (gloo: no CUDA) and gives its
+    routable address, so gloo is told its interface."""
+    monkeypatch.delenv(dp.GLOO_IFNAME, raising=False)
+    monkeypatch.delenv("_GYRE_GLOO_FOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # rank 0's default: gloo
+    routable = _routable_address()
+    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    others = [ctx.Process(target=_sync_member, args=(port, r, out), daemon=True) for r in (1, 2)]
+    for p in others:
+        p.start()
+    here: queue.Queue = queue.Queue()
+    try:
+        with caplog.at_level(logging.INFO, logger=dp.__name__):
+            _sync_member(port, 0, here, routable[0] if routable else None, timeout_s=60)
+        got = dict([here.get_nowait(), out.get(timeout=120), out.get(timeout=120)])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for p in others:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, res in got.items():
+        assert isinstance(res, dict), f"member {rank} failed:\n{res}"
+    # the formation: timed from this member's start, logged once with the backend
+    assert 0 <= got[0]["formed_s"] < 60
+    (formed,) = [r for r in caplog.records if r.name == dp.__name__ and r.levelno == logging.INFO]
+    assert re.fullmatch(
+        r"DP generation 0: rank 0 of 3 formed in \d+\.\d\ds \(gloo\)", formed.getMessage()
+    ), formed.getMessage()
+    if routable:
+        assert got[0]["ifname"] == routable[1]
+
+    def want(spec):
+        return _state(None if spec is None else _replica(*spec))
+
+    # round 1 (v3): rank 1 is the lowest holder; rank 0 loaded once, to receive into
+    sent = want(ROUNDS[0][1][1])
+    for rank in (0, 1, 2):
+        how, loads, same, state = got[rank][3]
+        assert (how, state) == ("broadcast", sent), rank
+        assert loads == ([3] if rank == 0 else []), rank
+    # round 2 (v5): rank 0's older replica is overwritten, nothing loaded
+    sent = want(ROUNDS[1][1][1])
+    for rank in (0, 1, 2):
+        how, loads, same, state = got[rank][5]
+        assert (how, loads, same, state) == ("broadcast", [], True, sent), rank
+    # round 3 (v6): the holder (rank 0) has no optimizer state: only weights and counters
+    sent = want(ROUNDS[2][1][0])
+    assert sent["opt"] == []
+    for rank in (0, 1, 2):
+        how, loads, same, state = got[rank][6]
+        assert (how, state) == ("broadcast", sent), rank
+        assert loads == ([6] if rank == 1 else []), rank
+    # round 4 (v7): every member holds it: each keeps its own replica, untouched
+    for rank in (0, 1, 2):
+        how, loads, same, state = got[rank][7]
+        assert (how, loads, same, state) == ("kept", [], True, want(ROUNDS[3][1][rank])), rank
+    # round 5 (v8): no member holds it: each restores the checkpoint
+    loaded = _state(_replica(LOADED[0], 8, LOADED[1]))
+    for rank in (0, 1, 2):
+        how, loads, same, state = got[rank][8]
+        assert (how, loads, state) == ("checkpoint", [8], loaded), rank
+    # metrics without a clip fraction, or without trainable tokens: the fraction is 0
+    for rank in (0, 1, 2):
+        assert got[rank]["no_clip"] == {
+            "train/loss": 3.0, "train/trainable_tokens": 15.0, "train/clip_fraction": 0.0,
+        }  # fmt: skip
+        assert got[rank]["no_tokens"] == {"train/loss": 3.0, "train/clip_fraction": 0.0}
+    del store
+
+
+# -- the pure helpers around a group -----------------------------------------------------
+
+
+def test_a_rank_outside_the_world_is_refused_before_meeting():
+    for rank, world in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(dp.DPError, match=rf"^rank {rank} outside a world of {world}$"):
+            dp.DPGroup(dp.Rendezvous("127.0.0.1", 1, 0, rank, world), backend="gloo")
+
+
+def test_a_member_left_alone_fails_with_the_rendezvous_in_its_message():
+    store, port = dp.host_store("127.0.0.1", timeout_s=30)
+    try:
+        with pytest.raises(dp.DPError) as err:
+            dp.DPGroup(dp.Rendezvous("127.0.0.1", port, 4, 0, 2), backend="gloo", timeout_s=1)
+        assert re.match(
+            rf"^generation 4: rank 0 of 2 could not form the group at 127\.0\.0\.1:{port} "
+            r"within 1s: .", str(err.value),
+        ), str(err.value)  # fmt: skip
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        del store
+
+
+def test_host_stores_on_their_defaults_are_independent_servers():
+    """The defaults: loopback, a free port each (two at once do not collide)."""
+    (a, pa), (b, pb) = dp.host_store(), dp.host_store()
+    assert pa > 0 and pb > 0 and pa != pb
+    client = torch.distributed.TCPStore("127.0.0.1", pa, is_master=False)
+    client.set("k", "v")
+    assert a.get("k") == b"v"
+    del a, b, client
+
+
+def test_auto_backend_picks_nccl_where_cuda_is(monkeypatch):
+    assert dp.pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dp.pick_backend() == "nccl" and dp.pick_backend("auto") == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert dp.pick_backend() == "gloo" and dp.pick_backend("nccl") == "nccl"
+
+
+def test_pace_sleeps_what_is_left_and_only_that():
+    t0 = time.monotonic()
+    slept = dp.pace(t0, 0.3)
+    assert 0.2 < slept <= 0.3 and time.monotonic() - t0 >= 0.3
+    assert dp.pace(time.monotonic() - 10, 1.0) == 0.0  # already past: no sleep
+    t1 = time.monotonic()
+    assert dp.pace(t1, math.inf) == 0.0 and time.monotonic() - t1 < 5  # unpaced
+
+
+def test_interface_of_names_the_interface_holding_an_address():
+    import psutil
+
+    loop = [n for n, a in psutil.net_if_addrs().items() if any(x.address == "127.0.0.1" for x in a)]
+    assert dp.interface_of("127.0.0.1") == loop[0]
+    assert dp.interface_of("203.0.113.9") is None  # TEST-NET-3: on no interface
+    routable = _routable_address()
+    if routable:
+        assert dp.interface_of(routable[0]) == routable[1]
+
+
+def test_use_interface_of(monkeypatch):
+    """Loopback or no address changes nothing; a routable one names its interface (and is
+    remembered as ours); the user's own setting wins; ours is re-derived for a new address."""
+    monkeypatch.delenv(dp.GLOO_IFNAME, raising=False)
+    monkeypatch.delenv("_GYRE_GLOO_FOR", raising=False)
+    for addr in (None, "127.0.0.1", "localhost", "::1"):
+        assert dp.use_interface_of(addr) is None
+        assert dp.GLOO_IFNAME not in os.environ and "_GYRE_GLOO_FOR" not in os.environ, addr
+    monkeypatch.setenv(dp.GLOO_IFNAME, "user0")
+    assert dp.use_interface_of("127.0.0.1") == "user0"
+    assert dp.use_interface_of("203.0.113.9") == "user0"  # the user's: kept
+    assert os.environ[dp.GLOO_IFNAME] == "user0" and "_GYRE_GLOO_FOR" not in os.environ
+    monkeypatch.delenv(dp.GLOO_IFNAME)
+    assert dp.use_interface_of("203.0.113.9") is None  # on no interface: nothing set
+    assert dp.GLOO_IFNAME not in os.environ
+    routable = _routable_address()
+    if routable is None:
+        pytest.skip("no routable IPv4 address on this machine")
+    addr, name = routable
+    assert dp.use_interface_of(addr) == name
+    assert os.environ[dp.GLOO_IFNAME] == name and os.environ["_GYRE_GLOO_FOR"] == addr
+    # ours, set for an address whose interface has since changed: derived again
+    monkeypatch.setenv(dp.GLOO_IFNAME, "stale0")
+    assert dp.use_interface_of(addr) == name and os.environ[dp.GLOO_IFNAME] == name

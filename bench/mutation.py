@@ -517,6 +517,13 @@ EQUIVALENT: dict[str, str] = {
                 " only in a wait on the server object itself, which no member makes",
             ),
             (
+                "_use_interface_of",
+                (5, 6),
+                "'localhost' misspelt in the loopback names: no interface holds a host name as"
+                " its address, so every branch then returns the interface in force, as the"
+                " loopback branch does, and sets nothing",
+            ),
+            (
                 "_pace",
                 (5,),
                 "left >= 0 for left > 0: at exactly 0 it sleeps 0 s and returns"

@@ -459,6 +459,8 @@ def test_use_interface_of(monkeypatch):
     addr, name = routable
     assert dp.use_interface_of(addr) == name
     assert os.environ[dp.GLOO_IFNAME] == name and os.environ["_GYRE_GLOO_FOR"] == addr
+    for loop in ("127.0.0.1", "localhost", "::1"):  # loopback: what is in force, unchanged
+        assert dp.use_interface_of(loop) == name and os.environ[dp.GLOO_IFNAME] == name, loop
     # ours, set for an address whose interface has since changed: derived again
     monkeypatch.setenv(dp.GLOO_IFNAME, "stale0")
     assert dp.use_interface_of(addr) == name and os.environ[dp.GLOO_IFNAME] == name

@@ -440,10 +440,10 @@ EQUIVALENT: dict[str, str] = {
             ("ǁDPGroupǁ__init__", (29,), "is_master=False dropped: TCPStore's default is False"),
             (
                 "ǁDPGroupǁ__init__",
-                (30, 43, 48),
-                "the store client's or the group's timeout"
-                " dropped or None: torch's defaults (5 and 30 min) differ from the given one only"
-                " in a wait that long; a member left alone still fails on the store's own wait",
+                (30,),
+                "the store client's timeout dropped: torch's default (5 min) differs from the"
+                " given one only in a wait on the store that long; a member left alone fails"
+                " on the group's own timeout (the group's dropped: killed, a 30 min wait)",
             ),
             (
                 "ǁDPGroupǁ__init__",
@@ -460,6 +460,19 @@ EQUIVALENT: dict[str, str] = {
             ),
             ("ǁDPGroupǁ__init__", (53, 54, 56, 57, 58, 60, 61), _GLOO_DEVICE),
             ("ǁDPGroupǁ_all_reduce", (2, 7), _GLOO_DEVICE),
+            (
+                "ǁDPGroupǁbroadcast_state",
+                (8, 27, 29),
+                "head.to(None), the copy back on the sender instead of the receivers, or"
+                " x.to(None): on the"
+                " CPU (gloo) x = t.to(cpu) is t itself, which the broadcast fills in place, so"
+                " the copy back is a no-op; it matters only on NCCL (a GPU run)",
+            ),
+            (
+                "ǁDPGroupǁbroadcast_state",
+                (3, 5),
+                "the head's dtype None or dropped: torch.tensor of Python ints is int64 already",
+            ),
             ("ǁDPGroupǁ_all_reduce", (6,), "all_reduce's op dropped: its default is SUM"),
             ("ǁDPGroupǁall_gather_ints", (4, 7, 16, 19), _GLOO_DEVICE),
             (

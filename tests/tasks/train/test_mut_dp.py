@@ -286,12 +286,16 @@ def _sync_member(port: int, rank: int, out, local_host: str | None = None, **kw)
 
 
 def _routable_address() -> tuple[str, str] | None:
-    """A non-loopback IPv4 address of this machine and its interface (None if it has none)."""
+    """A non-loopback IPv4 address of an interface that is up, and the interface (None if
+    this machine has none)."""
     import socket
 
     import psutil
 
+    up = {n for n, st in psutil.net_if_stats().items() if st.isup}
     for name, addrs in psutil.net_if_addrs().items():
+        if name not in up:
+            continue
         for a in addrs:
             if a.family == socket.AF_INET and not a.address.startswith("127."):
                 return a.address, name

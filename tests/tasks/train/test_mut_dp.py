@@ -98,24 +98,34 @@ def _member(port: int, rank: int, out) -> None:
         out.put((rank, traceback.format_exc()))
 
 
-def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other(caplog):
-    """(and the step's metrics: summed, the clip fraction weighted by trainable tokens)"""
-    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+def _run_members(target, world: int, port: int, *rank0_args, **rank0_kw) -> dict:
+    """Run ``target(port, rank, out, ...)`` as every member of a ``world``-member group: rank 0
+    in this process (given ``rank0_args`` / ``rank0_kw``), the others spawned. Returns each
+    rank's result; a group rank 0 left formed is destroyed and no spawned member outlives the
+    call."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    other = ctx.Process(target=_member, args=(port, 1, out), daemon=True)
-    other.start()
+    others = [ctx.Process(target=target, args=(port, r, out), daemon=True) for r in range(1, world)]
+    for p in others:
+        p.start()
     here: queue.Queue = queue.Queue()
     try:
-        with caplog.at_level(logging.INFO, logger=dp.__name__):
-            _member(port, 0, here)  # rank 0, in this process
-        got = dict([here.get_nowait(), out.get(timeout=120)])
+        target(port, 0, here, *rank0_args, **rank0_kw)
+        return dict([here.get_nowait()] + [out.get(timeout=120) for _ in others])
     finally:
         if torch.distributed.is_initialized():  # rank 0 failed past the formation
             torch.distributed.destroy_process_group()
-        other.join(timeout=30)
-        if other.is_alive():
-            other.kill()
+        for p in others:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_a_gradient_on_one_member_is_summed_with_zeros_on_the_other(caplog):
+    """(and the step's metrics: summed, the clip fraction weighted by trainable tokens)"""
+    store, port = dp.host_store("127.0.0.1", timeout_s=60)
+    with caplog.at_level(logging.INFO, logger=dp.__name__):
+        got = _run_members(_member, 2, port)
     for rank, res in got.items():
         assert isinstance(res, tuple), f"member {rank} failed:\n{res}"
     formed = [r for r in caplog.records if r.name == dp.__name__ and r.levelno == logging.INFO]
@@ -313,23 +323,8 @@ def test_sync_state_brings_every_member_to_the_version(caplog, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # rank 0's default: gloo
     routable = _routable_address()
     store, port = dp.host_store("127.0.0.1", timeout_s=60)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    others = [ctx.Process(target=_sync_member, args=(port, r, out), daemon=True) for r in (1, 2)]
-    for p in others:
-        p.start()
-    here: queue.Queue = queue.Queue()
-    try:
-        with caplog.at_level(logging.INFO, logger=dp.__name__):
-            _sync_member(port, 0, here, routable[0] if routable else None, timeout_s=60)
-        got = dict([here.get_nowait(), out.get(timeout=120), out.get(timeout=120)])
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        for p in others:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    with caplog.at_level(logging.INFO, logger=dp.__name__):
+        got = _run_members(_sync_member, 3, port, routable[0] if routable else None, timeout_s=60)
     for rank, res in got.items():
         assert isinstance(res, dict), f"member {rank} failed:\n{res}"
     # the formation: timed from this member's start, logged once with the backend

@@ -292,3 +292,34 @@ def test_without_an_eos_token_the_end_marker_is_chatmls(tmp_path):
     bare = ChatTokenizer(str(tmp_path))
     assert bare.hf.eos_token is None
     assert bare.im_end == "<|im_end|>" and bare.im_end_id == hf.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_a_length_bound_the_probe_just_meets_is_kept(tok, monkeypatch):
+    # a tokenizer giving exactly the fewest tokens the bound allows keeps it; one fewer breaks it
+    for short, want in ((0, 7), (1, None)):
+        monkeypatch.setattr(tok, "encode", lambda text, s=short: [0] * (min_tokens(text, 7) - s))
+        assert tok._check_cap(7) == want, short
+
+
+def test_a_head_that_renders_otherwise_before_a_reply_gives_no_one_render_suffix(tmp_path):
+    # the system turn gains a "!" once anything follows it: the cached head is not a prefix of
+    # the whole render, so the one-render suffix is refused even though a marker follows it
+    hf = _tiny_hf()
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% if m['role'] == 'system' and messages|length > 1 %}!{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    hf.save_pretrained(tmp_path)
+    bent = ChatTokenizer(str(tmp_path))
+    msgs = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "U2"},
+    ]
+    assert bent._suffix_one_render(msgs, 2, None) is None
+    plain = msgs[1:]  # no system turn: an empty head, a prefix of anything
+    assert bent._suffix_one_render(plain, 1, None) == (
+        "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -1,8 +1,8 @@
 """Fast: one data-parallel step of the training task over 2 real processes (gloo) equals one
 plain Trainer step on the same batch.
 
-``member_step`` (tasks/train_step.py) is run as a training cell runs it: two forked
-processes form a generation, each trains its shard with the whole batch's normaliser, the
+``member_step`` (tasks/train_step.py) is run as a training cell runs it: two processes (the
+test's own as rank 0, a forked one as rank 1) form a generation, each trains its shard with the whole batch's normaliser, the
 gradients are summed (tasks/train/dp.py) and rank 0 commits the new version. Checked
 against a single ``Trainer`` on the same samples in the same order: the reduced gradient
 (so the members' normalisers add up to the batch's and the gradients are summed, not
@@ -14,6 +14,7 @@ Llama as SmolLM2 with its tied embedding, Qwen2).
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import random
 import traceback
 from types import SimpleNamespace
@@ -48,23 +49,32 @@ def _weights(model) -> dict[str, np.ndarray]:
 
 
 def _member(store_url: str, plan: dp.StepPlan, rank: int, out, cfg: TrainConfig = CFG) -> None:
-    """A training cell's process: its part of the step; the reduced gradient is recorded."""
+    """A training cell's part of the step (rank 0 in the test process, so mutmut maps these
+    tests to ``member_step``; rank 1 forked); the reduced gradient is recorded. The spy and
+    the thread count are put back after."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    reduce = dp.DPGroup.reduce_grads
+    holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
     try:
         seen: dict[str, np.ndarray] = {}
-        reduce = dp.DPGroup.reduce_grads
 
         def spy(self, model):
             reduce(self, model)
             seen.update(_grads(model))
 
         dp.DPGroup.reduce_grads = spy
-        holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
         done = member_step(Store(store_url), RUN, plan, rank, cfg, holder=holder, backend="gloo")
-        holder.dp.close()
         out.put((rank, done.metrics, seen, done.checkpoint))
     except Exception:
         out.put((rank, "error", traceback.format_exc(), ""))
+    finally:
+        dp.DPGroup.reduce_grads = reduce
+        torch.set_num_threads(threads)
+        if holder.dp is not None:
+            holder.dp.close()
+        elif torch.distributed.is_initialized():  # failed while forming
+            torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(params=ARCHS)
@@ -140,20 +150,20 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
     )
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(store.url, plan, r, out, cfg)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+    other = ctx.Process(target=_member, args=(store.url, plan, 1, out, cfg))
+    other.start()
+    here: queue.Queue = queue.Queue()
     try:
+        _member(store.url, plan, 0, here, cfg)  # rank 0, in this process
         got = {}
-        for _ in procs:
-            rank, metrics, grads, ckpt = out.get(timeout=120)
+        for res in (here.get_nowait(), out.get(timeout=120)):
+            rank, metrics, grads, ckpt = res
             assert metrics != "error", f"rank {rank}: {grads}"
             got[rank] = (metrics, grads, ckpt)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        other.join(timeout=30)
+        if other.is_alive():
+            other.kill()
         del port_store
 
     # the reference: one trainer, the same samples in the same order, no reduction

@@ -1,21 +1,43 @@
 """What a committed step records (``commit_step`` in tasks/train_step.py), where generated
 mutants survived the other fast tests (bench/mutation.py): each ledger row's lag (a number
 for a sample with policy tokens, null for one without), the steps row's dropped tokens, the
-same in the commit record as in the datasets; and what a step run without a cell
-(``train_on_samples``: tests, tools) records as its cell and its start."""
+same in the commit record as in the datasets; what a step run without a cell
+(``train_on_samples``: tests, tools) records as its cell and its start; and ``member_step``
+run in the test process, one member (the DP tests run it in other processes, where mutmut
+does not see it): its group and replica kept or rebuilt, the lag bound, pacing, its costs and
+row, the ledger's refusal, and the sharded path's keep and reshard."""
 
 from __future__ import annotations
 
+import random
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from storage.checkpoints import stage_checkpoint
+from storage.checkpoints import fetch_checkpoint, publish_checkpoint, stage_checkpoint
 from storage.commits import committed_steps
 from storage.store import Store
-from tasks.train_step import commit_step, sample_lag
+from tasks.train import dp
+from tasks.train.config import TrainConfig
+from tasks.train.trainer import Trainer
+from tasks.train_step import (
+    LedgerError,
+    commit_step,
+    drop_stale,
+    load_samples,
+    member_step,
+    restore_trainer,
+    sample_lag,
+)
 from tasks.trajectory.sampler import build_samples
+from tasks.trajectory.synth import random_session
+from tasks.trajectory.tree import build_trees
+from tests.models import micro_config
 from tests.tasks.trajectory.test_sampler import small_tree
 
 METRICS = {
@@ -62,8 +84,7 @@ def test_the_ledger_and_steps_rows_carry_lag_and_dropped_tokens(tmp_path):
 
 
 def test_a_restored_trainer_with_kl_gets_the_warm_start_as_reference(tmp_path):
-    from storage.checkpoints import commit_checkpoint, fetch_checkpoint
-    from tasks.train.config import TrainConfig
+    from storage.checkpoints import commit_checkpoint
     from tasks.train_step import _restore_kwargs
 
     store = Store(str(tmp_path / "store"))
@@ -80,8 +101,6 @@ def test_a_step_without_a_cell_records_the_local_cell_and_its_start(tmp_path):
     """``train_on_samples`` with no ``cell_id``: the steps row names the cell ``local`` and
     starts when the call did (before the step's end), not at an unset time."""
     from infra.engine.tiny_model import make_tiny_model
-    from storage.checkpoints import publish_checkpoint
-    from tasks.train.config import TrainConfig
     from tasks.train_step import train_on_samples
 
     store = Store(str(tmp_path / "store"))
@@ -95,3 +114,191 @@ def test_a_step_without_a_cell_records_the_local_cell_and_its_start(tmp_path):
     steps = rec["steps"]
     assert steps["cells"] == ["local"] and steps["n_members"] == 1
     assert before <= steps["t_start"] <= steps["t_end"] <= after
+
+
+# -- member_step in the test process (mutmut maps it only where the test process runs it) --
+
+MRUN = "m"
+COST_KEYS = {"begin_t", "form_s", "sync_s", "train_s", "commit_s"}
+
+
+def _member_store(tmp_path):
+    """A micro Qwen3 at v0 and four segments of two sessions each, every token of version 0."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(micro_config("qwen3", 40), attn_implementation="sdpa")
+    model.save_pretrained(tmp_path / "model")
+    store = Store(str(tmp_path / "store"))
+    publish_checkpoint(store, MRUN, str(tmp_path / "model"), 0)
+    rng = np.random.default_rng(7)
+    segs = []
+    for k in range(4):
+        recs, spans, rewards = [], {}, {}
+        for i in range(2):
+            sid = f"s{k}{i}"
+            r, sp = random_session(rng, n_calls=4, session_id=sid, run_id=MRUN, p_version_bump=0)
+            recs += r
+            spans.update(sp)
+            rewards[sid] = float(k + i)
+        samples = build_samples(
+            build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=MRUN
+        )
+        segs.append(store.append("samples", [s.to_row() for s in samples]))
+    return store, segs
+
+
+def _plan(port: int, step: int, version: int, seg: str, generation: int = 0, **kw):
+
+    return dp.StepPlan(
+        step=step,
+        version=version,
+        generation=generation,
+        host="127.0.0.1",
+        port=port,
+        members=("cell-a",),
+        groups=(step,),
+        segments=(seg,),
+        shuffle_seed=11 + step,
+        **kw,
+    )
+
+
+def _reference(store, version: int, seg: str, seed: int, cfg):
+    """The textbook step: the replica at ``version``, the segment's samples in id order then
+    shuffled by the plan's seed, tokens past the lag bound dropped, one Trainer step."""
+    samples = sorted(load_samples(store, seg), key=lambda s: s.sample_id)
+    random.Random(seed).shuffle(samples)
+    kept = [drop_stale(s, version, cfg.max_staleness) for s in samples]
+    ref = restore_trainer(store, MRUN, version, cfg)
+    ref.step([s for s, _ in kept], current_version=version)
+    return ref, sum(n for _, n in kept), [s.reward for s in samples]
+
+
+def _weights_equal(store, version: int, model, cfg) -> None:
+
+    got = Trainer(fetch_checkpoint(store, MRUN, version), lr=cfg.lr).model.state_dict()
+    for k, w in model.state_dict().items():
+        assert float((got[k] - w).abs().max()) <= 1e-6, (version, k)
+
+
+def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tmp_path):
+    """``member_step`` as a cell runs it, one member: v0 loaded from the checkpoint, then the
+    replica and the group kept, a new generation re-forms the group, a replica of another
+    run is not used, tokens past the lag bound are dropped, each committed version is the
+    textbook step's, each step's row and costs are its own, and a replayed batch is refused."""
+
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96, max_staleness=1, stale_policy="drop")
+    store, segs = _member_store(tmp_path)
+    server, port = dp.host_store("127.0.0.1", timeout_s=60)
+    holder = SimpleNamespace(
+        dp=None,
+        trainer=None,
+        trainer_run=None,
+        trainer_key=None,
+        worker_address="tcp://127.0.0.1:1",
+    )
+    try:
+        rows = []
+
+        def step(plan, **kw):
+            before = time.time()
+            done = member_step(store, MRUN, plan, 0, cfg, holder=holder, backend="gloo", **kw)
+            assert set(done.costs) == COST_KEYS
+            assert before <= done.costs["begin_t"] <= time.time()
+            assert done.step == plan.step and done.weight_version == plan.version + 1
+            assert holder.trainer.version == plan.version + 1
+            assert holder.trainer_run == (store.url, MRUN)
+            assert holder.dp.rv == plan.rendezvous(0)
+            rows.append(done)
+            return done
+
+        # v0: no replica anywhere, so the checkpoint; the group formed for it
+        ref0, dropped0, rewards0 = _reference(store, 0, segs[0], 11, cfg)
+        p0 = _plan(port, 0, 0, segs[0])
+        d0 = step(p0, mode="elastic")
+        group0, replica = holder.dp, holder.trainer
+        assert d0.metrics["train/dp_sync"] == 2.0 and d0.costs["form_s"] > 0
+        assert d0.metrics["train/dropped_stale_tokens"] == dropped0 == 0
+        assert d0.metrics["train/reward_mean"] == pytest.approx(float(np.mean(rewards0)))
+        assert d0.metrics["train/context_parallel_samples"] == 0.0
+        _weights_equal(store, 1, ref0.model, cfg)
+
+        # v1, the same rendezvous: group and replica kept, no formation time
+        ref1, _, _ = _reference(store, 1, segs[1], 12, cfg)
+        d1 = step(_plan(port, 1, 1, segs[1]))
+        assert holder.dp is group0 and holder.trainer is replica
+        assert d1.metrics["train/dp_sync"] == 0.0 and d1.costs["form_s"] == 0.0
+        _weights_equal(store, 2, ref1.model, cfg)
+
+        # v2, a new generation: the group re-formed; the replica is still this run's, kept.
+        # segs[2]'s tokens are of version 0: past the bound (2 - 1), all dropped
+        ref2, dropped2, _ = _reference(store, 2, segs[2], 13, cfg)
+        assert dropped2 > 0
+        n2 = sum(smp.n_tokens for smp in load_samples(store, segs[2]))
+        d2 = step(_plan(port, 2, 2, segs[2], generation=1), s_per_token=1.0 / n2)
+        assert holder.dp is not group0 and d2.costs["form_s"] > 0
+        assert d2.metrics["train/dp_sync"] == 0.0
+        assert d2.metrics["train/dropped_stale_tokens"] == dropped2
+        _weights_equal(store, 3, ref2.model, cfg)
+
+        # a replica of another run is no replica of this one: the checkpoint again
+        holder.trainer_run = ("elsewhere", MRUN)
+        paced = _plan(port, 3, 3, segs[0], generation=1, pace_s=1.0)
+        with pytest.raises(LedgerError, match="step 3: 2 samples already trained"):
+            member_step(store, MRUN, paced, 0, cfg, holder=holder, backend="gloo")
+        assert holder.trainer is not replica and holder.trainer.version == 3  # loaded
+
+        # paced: the step's device time (from the member's start) has passed before it ends
+        d3 = step(replace(paced, segments=(segs[3],)))
+        assert d3.costs["form_s"] + d3.costs["sync_s"] + d3.costs["train_s"] >= 1.0
+        # and per token of the shard where no step time is given (d2: 1 s in all), counted
+        # from the compute's start
+        assert d2.costs["train_s"] >= 0.99
+
+        (rec0, rec1, rec2, _) = committed_steps(store, MRUN)
+        for rec, done, gen, mode in (
+            (rec0, d0, 0, "elastic"),
+            (rec1, d1, 0, ""),
+            (rec2, d2, 1, ""),
+        ):
+            row = rec["steps"]
+            assert row["cells"] == ["cell-a"] and row["n_members"] == 1
+            assert row["generation"] == gen and row["mode"] == mode
+            assert row["t_start"] == done.costs["begin_t"]
+            assert row["dropped_tokens"] == done.metrics["train/dropped_stale_tokens"]
+            assert done.checkpoint == row["checkpoint"]
+        assert all(d.costs["train_s"] > 0 and d.costs["commit_s"] > 0 for d in rows)
+        assert all(d.costs["sync_s"] >= 0 for d in rows)
+    finally:
+        if holder.dp is not None:
+            holder.dp.close()
+        del server
+
+
+def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path):
+    """``train.sharding=fsdp``, one member in the test process: v0 from the checkpoint, the
+    sharded trainer kept on the same group, rebuilt from the committed sharded state on a new
+    generation (its FSDP mesh was the old group's); each committed version is what one plain
+    Trainer stepping through the same batches commits."""
+
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96, max_staleness=8, sharding="fsdp")
+    store, segs = _member_store(tmp_path)
+    server, port = dp.host_store("127.0.0.1", timeout_s=60)
+    holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
+    ref = restore_trainer(store, MRUN, 0, cfg)  # the one plain trainer, AdamW state carried
+    try:
+        got = []
+        for k, gen in ((0, 0), (1, 0), (2, 1)):
+            plan = _plan(port, k, k, segs[k], generation=gen)
+            kept = holder.trainer
+            done = member_step(store, MRUN, plan, 0, cfg, holder=holder, backend="gloo")
+            got.append((done.metrics["train/dp_sync"], holder.trainer is kept))
+            assert store.exists(f"checkpoints/{MRUN}/v{k + 1}/sharded/.metadata")
+            samples = sorted(load_samples(store, segs[k]), key=lambda s: s.sample_id)
+            random.Random(plan.shuffle_seed).shuffle(samples)
+            ref.step(samples, current_version=k)
+            _weights_equal(store, k + 1, ref.model, cfg)
+        assert got == [(2.0, False), (0.0, True), (3.0, False)]
+    finally:
+        if holder.dp is not None:
+            holder.dp.close()
+        del server

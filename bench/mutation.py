@@ -107,6 +107,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "tests/tasks/test_process_train.py",
         "tests/tasks/env/test_retry_credit.py",
         "tests/tasks/test_sharded_regroup.py",  # restore_sharded, stage_sharded
+        "tests/tasks/test_readers_in_an_outage.py",  # load_samples' refusal, by its message
         "tests/tasks/train/test_sharded.py",
     ),
     "infra/gateway/chat.py": (

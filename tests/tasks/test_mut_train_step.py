@@ -9,6 +9,8 @@ row, the ledger's refusal, and the sharded path's keep and reshard."""
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 import time
 from dataclasses import replace
@@ -27,6 +29,7 @@ from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
 from tasks.train_step import (
     LedgerError,
+    _trainer_kwargs,
     commit_step,
     drop_stale,
     load_samples,
@@ -81,6 +84,85 @@ def test_the_ledger_and_steps_rows_carry_lag_and_dropped_tokens(tmp_path):
     assert steps["dropped_tokens"] == 3
     assert steps["lag_mean"] == pytest.approx(mean) == done.metrics["train/lag_mean"]
     assert steps["n_members"] == 1 and steps["weight_version"] == 3
+
+
+class _Saver(SimpleNamespace):
+    """A trainer as ``commit_step`` uses one it stages itself: its version and ``save``."""
+
+    def save(self, path: str) -> None:
+        with open(f"{path}/config.json", "w") as fh:
+            fh.write(json.dumps({"saved": self.version}))
+
+
+def test_a_commit_stages_the_trainer_and_records_its_whole_rows(tmp_path):
+    """Unstaged: the trainer's own save is staged as the version's checkpoint. The steps row
+    and each ledger row hold exactly these fields (the steps row also in the ``steps``
+    dataset); the step's defaults are generation 0 and no mode."""
+    store = Store(str(tmp_path / "store"))
+    (policy,) = build_samples([small_tree("s", (0, 2, 2, 2))], {"s": 1.0}, advantage="reward")
+    t0 = time.time()
+    done = commit_step(
+        store, "r1", 4, _Saver(version=3), 2, [policy], METRICS, members=("a", "b"), t_start=t0
+    )
+    (rec,) = committed_steps(store, "r1")
+    url = store.full_url("checkpoints/r1/v3")
+    assert done.checkpoint == url and done.step == 4 and done.weight_version == 3
+    with open(f"{fetch_checkpoint(store, 'r1', 3)}/config.json") as fh:
+        assert json.load(fh) == {"saved": 3}
+    mean, mx, _ = sample_lag(policy, 2)
+    row = rec["steps"]
+    t1 = row["t_end"]
+    assert t0 <= t1 <= time.time()
+    assert row == {
+        "run_id": "r1",
+        "step": 4,
+        "weight_version": 3,
+        "loss": 0.5,
+        "tokens": 12,
+        "trainable_tokens": 6,
+        "reward": 1.0,
+        "n_samples": 1,
+        "grad_norm": 0.25,
+        "mean_staleness": pytest.approx(mean),
+        "cells": ["a", "b"],
+        "t_start": t0,
+        "t_end": t1,
+        "checkpoint": url,
+        "lag_mean": pytest.approx(mean),
+        "lag_max": mx,
+        "n_members": 2,
+        "generation": 0,
+        "mode": "",
+        "dropped_tokens": 3,
+    }
+    assert rec["ledger"] == [
+        {
+            "run_id": "r1",
+            "step": 4,
+            "sample_id": policy.sample_id,
+            "weight_version": 3,
+            "t": t1,
+            "lag_mean": pytest.approx(mean),
+            "lag_max": mx,
+        }
+    ]
+    (stored,) = store.read("steps").to_pylist()
+    assert stored["step"] == 4 and stored["checkpoint"] == url and stored["lag_max"] == mx
+    assert done.metrics == {**METRICS, "train/lag_mean": pytest.approx(mean), "train/lag_max": mx}
+
+
+def test_a_step_without_policy_tokens_has_lag_zero_and_no_dropped_count_means_zero(tmp_path):
+    store = Store(str(tmp_path / "store"))
+    (copied,) = build_samples([small_tree("t", (-1, -1, -1, -1))], {"t": 1.0}, advantage="reward")
+    metrics = {k: v for k, v in METRICS.items() if k != "train/dropped_stale_tokens"}
+    done = commit_step(
+        store, "r1", 0, _Saver(version=1), 0, [copied], metrics, members=("a",), t_start=0.0
+    )
+    (rec,) = committed_steps(store, "r1")
+    row = rec["steps"]
+    assert (row["lag_mean"], row["lag_max"], row["mean_staleness"]) == (0.0, 0, 0.0)
+    assert row["dropped_tokens"] == 0
+    assert done.metrics["train/lag_mean"] == 0.0 and done.metrics["train/lag_max"] == 0.0
 
 
 def test_a_restored_trainer_with_kl_gets_the_warm_start_as_reference(tmp_path):
@@ -274,31 +356,172 @@ def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tm
         del server
 
 
-def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path):
-    """``train.sharding=fsdp``, one member in the test process: v0 from the checkpoint, the
-    sharded trainer kept on the same group, rebuilt from the committed sharded state on a new
-    generation (its FSDP mesh was the old group's); each committed version is what one plain
-    Trainer stepping through the same batches commits."""
-
-    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96, max_staleness=8, sharding="fsdp")
+def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, caplog):
+    """``train.sharding=fsdp``, one member in the test process, after a replicated step: v1
+    has no sharded state, so the consolidated weights and a fresh AdamW (warned, counters
+    from the checkpoint); then the sharded trainer kept on the same group; then rebuilt from
+    the committed sharded state on a new generation (its FSDP mesh was the old group's).
+    Each committed version is what one plain Trainer stepping through the same batches (its
+    AdamW fresh where the sharded one's is) commits."""
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96, max_staleness=8)
+    fsdp = cfg.model_copy(update={"sharding": "fsdp"})
     store, segs = _member_store(tmp_path)
     server, port = dp.host_store("127.0.0.1", timeout_s=60)
     holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
-    ref = restore_trainer(store, MRUN, 0, cfg)  # the one plain trainer, AdamW state carried
+    ref = restore_trainer(store, MRUN, 0, cfg)
     try:
         got = []
-        for k, gen in ((0, 0), (1, 0), (2, 1)):
+        for k, gen, c in ((0, 0, cfg), (1, 0, fsdp), (2, 0, fsdp), (3, 1, fsdp)):
             plan = _plan(port, k, k, segs[k], generation=gen)
             kept = holder.trainer
-            done = member_step(store, MRUN, plan, 0, cfg, holder=holder, backend="gloo")
-            got.append((done.metrics["train/dp_sync"], holder.trainer is kept))
-            assert store.exists(f"checkpoints/{MRUN}/v{k + 1}/sharded/.metadata")
+            with caplog.at_level(logging.WARNING, logger="tasks.train_step"):
+                caplog.clear()
+                done = member_step(store, MRUN, plan, 0, c, holder=holder, backend="gloo")
+            warned = [r.getMessage() for r in caplog.records if r.name == "tasks.train_step"]
+            got.append((done.metrics["train/dp_sync"], holder.trainer is kept, warned))
+            assert holder.trainer.n_steps == k + 1
+            sharded_state = store.exists(f"checkpoints/{MRUN}/v{k + 1}/sharded/.metadata")
+            assert sharded_state == (c is fsdp)
+            if k == 1:  # the sharded trainer's AdamW starts fresh, as this one's
+                ref = Trainer(
+                    fetch_checkpoint(store, MRUN, 1), version=1, lr=cfg.lr, max_tokens_per_micro=96
+                )
             samples = sorted(load_samples(store, segs[k]), key=lambda s: s.sample_id)
             random.Random(plan.shuffle_seed).shuffle(samples)
             ref.step(samples, current_version=k)
             _weights_equal(store, k + 1, ref.model, cfg)
-        assert got == [(2.0, False), (0.0, True), (3.0, False)]
+        fresh = (
+            "v1 has no sharded state (written with train.sharding=replicate?): the sharded "
+            "AdamW starts fresh"
+        )
+        assert got == [
+            (2.0, False, []),
+            (2.0, False, [fresh]),
+            (0.0, True, []),
+            (3.0, False, []),
+        ]
     finally:
         if holder.dp is not None:
             holder.dp.close()
         del server
+
+
+# -- the small helpers, from their definitions ------------------------------------------------
+
+
+def _drop_sample(versions, reward: float = 1.0, prune: bool = False):
+    (s,) = build_samples(
+        [small_tree(versions=versions)], {"s": reward}, advantage="reward", prune=prune
+    )
+    return s
+
+
+def test_sample_lag_is_the_policy_tokens_lag_and_none_without_them():
+    s = _drop_sample((0, 2, 2, 2))
+    v = s.versions[s.versions >= 0]
+    mean, mx, n = sample_lag(s, 3)
+    assert (mean, mx, n) == (pytest.approx(float((3 - v).mean())), int((3 - v).max()), v.size)
+    assert mx == 3 and n > 0  # the v0 tokens, 3 versions back
+    mean, mx, n = sample_lag(_drop_sample((-1, -1, -1, -1)), 3)
+    assert np.isnan(mean) and (mx, n) == (-1, 0)
+
+
+def test_one_stale_token_is_dropped_and_counts_stay_int32():
+    s = _drop_sample((2, 2, 2, 2))
+    i = int(np.flatnonzero((s.counts > 0) & (s.versions >= 0))[0])
+    versions = s.versions.copy()
+    versions[i] = 0
+    got, n = drop_stale(replace(s, versions=versions), 3, 1)
+    assert n == 1 and got.counts[i] == 0 and got.weight_pos[i] == 0
+    assert got.n_trainable == s.n_trainable - 1 and got.counts.dtype == np.int32
+
+
+def test_a_zero_advantage_samples_stale_tokens_leave_its_normaliser():
+    # reward 0: every token's weight is 0 (not in the trainable mask), yet its branches still
+    # count it in the normaliser: a stale one must leave counts and normaliser, the others stay
+    s = _drop_sample((0, 2, 2, 2), reward=0.0)
+    assert not s.trainable_mask.any() and s.counts.sum() == s.n_flat_trainable > 0
+    got, n = drop_stale(s, 3, 1)
+    stale = (s.versions >= 0) & (s.versions < 2) & (s.counts > 0)
+    assert n == int(stale.sum()) > 0
+    assert got.n_flat_trainable == s.n_flat_trainable - int(s.counts[stale].sum()) > 0
+    assert np.array_equal(got.counts, np.where(stale, 0, s.counts))
+
+
+def test_trainer_kwargs_follow_the_stale_policy_and_the_sampling_defaults():
+    base = TrainConfig(max_staleness=3)
+    assert _trainer_kwargs(base.model_copy(update={"stale_policy": "is"}))["max_staleness"] == 3
+    assert (
+        _trainer_kwargs(base.model_copy(update={"stale_policy": "drop"}))["max_staleness"] is None
+    )
+    plain = _trainer_kwargs(base)
+    assert (plain["temperature"], plain["top_p"]) == (1.0, 1.0)
+    set_ = _trainer_kwargs(base.model_copy(update={"temperature": 0.7, "top_p": 0.9}))
+    assert (set_["temperature"], set_["top_p"]) == (0.7, 0.9)
+
+
+def test_a_crashed_commits_rows_are_rolled_forward_before_the_ledger_is_checked(tmp_path):
+    """A step committed (its marker) whose ledger/steps rows a crash lost: the check redoes
+    them first, so its samples are still refused; the message names the first one; another
+    run's ledger does not count."""
+    import shutil
+
+    from tasks.train_step import _check_ledger
+
+    store = Store(str(tmp_path / "store"))
+    (policy,) = build_samples([small_tree("s", (0, 2, 2, 2))], {"s": 1.0}, advantage="reward")
+    (copied,) = build_samples([small_tree("t", (-1, -1, -1, -1))], {"t": 1.0}, advantage="reward")
+    commit_step(
+        store, "r1", 0, _Saver(version=1), 0, [policy, copied], METRICS, members=("a",), t_start=0
+    )
+    for ds in ("ledger", "steps"):
+        shutil.rmtree(tmp_path / "store" / ds)
+    assert store.read("ledger").num_rows == 0
+    with pytest.raises(LedgerError) as err:
+        _check_ledger(store, "r1", 5, [copied, policy])
+    assert str(err.value) == f"step 5: 2 samples already trained, e.g. {copied.sample_id!r}"
+    assert store.read("ledger").num_rows == 2  # rolled forward
+    _check_ledger(store, "r2", 0, [policy])  # another run's samples of the same ids: fine
+
+
+def test_the_cells_replica_is_kept_between_steps_and_restored_with_its_optimizer(tmp_path):
+    """``get_trainer`` with a holder: loaded once, kept while its key is the newest version;
+    ``train_on_samples`` moves the key to the version it committed; without a holder each
+    call loads anew; with no checkpoint the error says where. ``restore_trainer`` brings back
+    the committed AdamW state, counters, settings and (kl_coef > 0) the warm start as the KL
+    reference. A replayed batch is refused by step; a step without a segment trains none."""
+    from infra.engine.tiny_model import make_tiny_model
+    from tasks.train_step import get_trainer, train_on_samples
+
+    store = Store(str(tmp_path / "store"))
+    cfg = TrainConfig(lr=2e-3, kl_coef=0.1)
+    with pytest.raises(FileNotFoundError) as err:
+        get_trainer(store, "r1", cfg)
+    assert str(err.value) == f"no checkpoint in {store.url}: publish v0 before training"
+    publish_checkpoint(store, "r1", make_tiny_model(), 0)
+    holder = SimpleNamespace(trainer=None, trainer_key=None)
+    t0 = get_trainer(store, "r1", cfg, holder)
+    assert holder.trainer is t0 and holder.trainer_key == (store.url, "r1", 0)
+    assert get_trainer(store, "r1", cfg, holder) is t0
+    assert get_trainer(store, "r1", cfg) is not t0
+
+    samples = build_samples([small_tree("s", (0, 0, 0, 0))], {"s": 1.0}, advantage="reward")
+    seg = store.append("samples", [smp.to_row() for smp in samples])
+    done = train_on_samples(store, "r1", 0, seg, cfg, holder=holder)
+    assert done.weight_version == 1 and holder.trainer is t0 and t0.version == 1
+    assert holder.trainer_key == (store.url, "r1", 1)
+    assert get_trainer(store, "r1", cfg, holder) is t0  # kept: no reload of its own commit
+
+    back = restore_trainer(store, "r1", 1, cfg)
+    assert back.version == 1 and back.n_steps == t0.n_steps == 1 and back.lr == 2e-3
+    assert back.ref_model_dir == fetch_checkpoint(store, "r1", 0)
+    mine = t0.optimizer.state_dict()["state"]
+    got = back.optimizer.state_dict()["state"]
+    assert mine and got.keys() == mine.keys()
+    for k, st in mine.items():
+        assert torch.equal(got[k]["exp_avg"], st["exp_avg"]), k
+
+    with pytest.raises(LedgerError, match=r"^step 1: 1 samples already trained"):
+        train_on_samples(store, "r1", 1, seg, cfg, holder=holder)
+    empty = train_on_samples(store, "r1", 1, None, cfg, holder=holder)
+    assert empty.weight_version == 2 and committed_steps(store, "r1")[-1]["ledger"] == []

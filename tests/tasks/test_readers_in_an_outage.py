@@ -35,6 +35,10 @@ def test_an_undecodable_samples_segment_is_refused_and_quarantined(tmp_path):
     seg = _a_segment(st, "samples", "session_id")
     with open(seg, "wb") as fh:
         fh.write(b"not parquet")
-    with pytest.raises(StoreError, match="cannot be decoded"):
+    with pytest.raises(StoreError) as err:
         load_samples(st, seg)
+    assert str(err.value) == (
+        f"store: samples segment {seg} cannot be decoded; it was moved to _quarantine/ and "
+        "its samples are not trained"
+    )
     assert st.segments("samples") == []

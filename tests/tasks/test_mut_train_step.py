@@ -525,3 +525,52 @@ def test_the_cells_replica_is_kept_between_steps_and_restored_with_its_optimizer
         train_on_samples(store, "r1", 1, seg, cfg, holder=holder)
     empty = train_on_samples(store, "r1", 1, None, cfg, holder=holder)
     assert empty.weight_version == 2 and committed_steps(store, "r1")[-1]["ledger"] == []
+
+
+def test_member_on_cell_uses_the_cells_plugin_to_hold_group_and_replica(tmp_path):
+    """``member_on_cell`` as a Dask task on a real cell (an in-process worker, so the test
+    process runs it): the step is committed with what it was given, and the cell's plugin
+    holds the group and the replica the next step keeps."""
+    from distributed import Client, LocalCluster
+
+    from infra.cells.cluster import PLUGIN_NAME, CellPlugin
+    from tasks.train_step import member_on_cell
+
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96, max_staleness=8)
+    store, segs = _member_store(tmp_path)
+    server, port = dp.host_store("127.0.0.1", timeout_s=60)
+    threads = torch.get_num_threads()
+    plugin = None
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cl,
+        Client(cl) as client,
+    ):
+        try:
+            client.register_plugin(CellPlugin())
+            (worker,) = cl.workers.values()
+            plugin = worker.plugins[PLUGIN_NAME]
+            kw = {"backend": "gloo", "mode": "elastic", "timeout_s": 60.0}
+            d0 = client.submit(
+                member_on_cell, store, MRUN, _plan(port, 0, 0, segs[0]), 0, cfg, **kw
+            )
+            d0 = d0.result(timeout=120)
+            replica, group = plugin.trainer, plugin.dp
+            assert replica.version == 1 and group.rv == _plan(port, 0, 0, segs[0]).rendezvous(0)
+            d1 = client.submit(
+                member_on_cell, store, MRUN, _plan(port, 1, 1, segs[1]), 0, cfg, **kw
+            ).result(timeout=120)
+            assert plugin.trainer is replica and plugin.dp is group
+            assert (d0.metrics["train/dp_sync"], d1.metrics["train/dp_sync"]) == (2.0, 0.0)
+            assert (d0.step, d1.step, d1.weight_version) == (0, 1, 2)
+            rows = [rec["steps"] for rec in committed_steps(store, MRUN)]
+            assert [(r["step"], r["mode"], r["cells"]) for r in rows] == [
+                (0, "elastic", ["cell-a"]),
+                (1, "elastic", ["cell-a"]),
+            ]
+        finally:
+            if plugin is not None and plugin.dp is not None:
+                plugin.dp.close()
+            torch.set_num_threads(threads)
+            del server

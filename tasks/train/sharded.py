@@ -23,6 +23,15 @@ What the installed torch (2.13.0+cpu) does on CPU with gloo, checked by running 
   ``torch.distributed.checkpoint``); they work with ``file://`` (and any fsspec protocol).
   Workaround, named as such: import them from there; plain paths use the public
   ``FileSystemWriter`` / ``FileSystemReader``.
+- ``DeviceMesh`` equality and hash leave out the process's rank, and DTensor's sharding
+  caches key on them. A cell that meets a later group of the same size at another rank (a
+  rank 1 of (a, b) that is rank 0 of (b, a)) got the earlier mesh back from those caches,
+  with the earlier rank's coordinate: ``state_dict()`` then named rank 0's offsets on rank 1,
+  and the load wrote each shard into the other's place (the step's loss 0.156 for the
+  textbook's 0.679, measured; a save dropped half of every weight as a duplicate). Named
+  workaround: every mesh this process makes gets its own dimension name (``dp0``, ``dp1``,
+  ...; a name is local, nothing collective reads it), so no cache entry is shared between
+  groups (tests/tasks/test_sharded_regroup.py swaps two members' ranks).
 
 One honest limit, by design here: the loss code (tasks/train/packed_loss.py) calls the
 decoder and ``lm_head`` directly, not ``model.forward``, and members train different numbers
@@ -52,6 +61,7 @@ May import torch.distributed; never prefect or dask.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -79,6 +89,8 @@ from tasks.trajectory.sampler import Sample
 log = logging.getLogger(__name__)
 
 ADAMW_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+# one dimension name per mesh this process makes (DeviceMesh equality ignores the rank: above)
+_MESHES = itertools.count()
 
 
 class ShardedError(RuntimeError):
@@ -106,7 +118,9 @@ def shard_trainer(trainer: Trainer) -> Trainer:
             "state into it"
         )
     settings = {k: opt.param_groups[0][k] for k in ADAMW_SETTINGS}
-    mesh = init_device_mesh(trainer.device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(
+        trainer.device.type, (dist.get_world_size(),), mesh_dim_names=(f"dp{next(_MESHES)}",)
+    )
     fully_shard(trainer.model, mesh=mesh)
     # FSDP2 averages over members; the normaliser wants the sum. A divide factor alone is
     # reduced with PREMUL_SUM, which gloo refuses: force SUM (then a division by 1: none).

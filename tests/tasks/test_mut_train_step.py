@@ -357,7 +357,6 @@ def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tm
         del server
 
 
-@pytest.mark.slow  # in the default suite it broke test_sharded_regroup after it (state left in process?)
 def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, caplog):
     """``train.sharding=fsdp``, one member in the test process, after a replicated step: v1
     has no sharded state, so the consolidated weights and a fresh AdamW (warned, counters

@@ -2,10 +2,12 @@
 
 Three forked processes act as training cells, each keeping its holder (trainer and DP
 group) between steps as a cell's plugin does, and run ``member_step`` (tasks/train_step.py)
-for three steps over members (a, b) -> (a, b, c) -> (b): every generation is a membership
-change, b survives all of them (rank 1, 1, then 0, the committing member). Each step must
-equal one plain Trainer's step on the same samples in the same order (loss, gradient norm)
-and the committed consolidated weights of v3 must be the one trainer's after three steps:
+for four steps over members (a, b) -> (a, b, c) -> (b, a) -> (b): every generation is a
+membership change, b survives all of them (rank 1, 1, 0, then 0, the committing member), and
+a and b meet again at the first group's size with their ranks swapped (DeviceMesh equality
+ignores the rank: tasks/train/sharded.py). Each step must equal one plain Trainer's step on
+the same samples in the same order (loss, gradient norm) and the committed consolidated
+weights of v4 must be the one trainer's after four steps:
 the regrouped members resumed from the committed step's sharded DCP state, AdamW moments
 included (a fresh AdamW after a regroup moves every weight by ~lr differently). The old
 versions' sharded state goes with their optimizer state (``drop_optimizer_state``).
@@ -43,7 +45,7 @@ pytestmark = pytest.mark.integration
 CFG = TrainConfig(
     lr=1e-5, max_tokens_per_micro=96, max_staleness=10, stale_policy="drop", sharding="fsdp"
 )
-STEPS = (("a", "b"), ("a", "b", "c"), ("b",))
+STEPS = (("a", "b"), ("a", "b", "c"), ("b", "a"), ("b",))
 
 
 def _cell_loop(name: str, store_url: str, inbox, outbox) -> None:
@@ -89,9 +91,9 @@ def _batch(store: Store, plan: dp.StepPlan):
     return [drop_stale(s, plan.version, CFG.max_staleness)[0] for s in samples]
 
 
-def test_sharded_members_regroup_two_three_one_and_resume_exactly(tmp_path):
+def test_sharded_members_regroup_two_three_swapped_one_and_resume_exactly(tmp_path):
     store, seg0 = _store_with_batch(tmp_path, "qwen3")
-    segs = [seg0, _segment(store, 11), _segment(store, 12)]
+    segs = [seg0, _segment(store, 11), _segment(store, 12), _segment(store, 13)]
     port_store, port = dp.host_store("127.0.0.1", timeout_s=120)
     ctx = mp.get_context("fork")
     outbox = ctx.Queue()
@@ -135,7 +137,7 @@ def test_sharded_members_regroup_two_three_one_and_resume_exactly(tmp_path):
 
     # how each member came to the step's start: v0 has no sharded state; every later
     # generation is new, so every member (survivors too) resharded from the store
-    want_sync = [2.0, 3.0, 3.0]
+    want_sync = [2.0, 3.0, 3.0, 3.0]
     ref = restore_trainer(store, RUN, 0, CFG.model_copy(update={"sharding": "replicate"}))
     for step, plan in enumerate(plans):
         ref_m = ref.step(_batch(store, plan), current_version=plan.version)
@@ -144,16 +146,18 @@ def test_sharded_members_regroup_two_three_one_and_resume_exactly(tmp_path):
             assert m["train/loss"] == pytest.approx(ref_m["train/loss"], rel=1e-5), (step, name)
             assert m["train/grad_norm"] == pytest.approx(ref_m["train/grad_norm"], rel=1e-5)
             assert bool(ckpt) == (name == plan.members[0])
-    ckpt = fetch_checkpoint(store, RUN, 3)
+    ckpt = fetch_checkpoint(store, RUN, 4)
     committed = Trainer(ckpt, lr=CFG.lr)
     assert read_digest(ckpt)["sha256"] == weights_digest(committed.model)
     want = _weights(ref.model)
     for k, w in _weights(committed.model).items():
         assert float(np.abs(w - want[k]).max()) <= 1e-6, k
 
-    # the commit of v3 dropped v1's state (commits keep a step's start version and the one
-    # before: storage/commits.py), sharded/ included; v2 goes when asked
+    # the commit of v4 dropped v2's state (a commit keeps its own version's and the step's
+    # start version's: storage/commits.py), sharded/ included; v3 goes when asked
     assert not store.exists(f"checkpoints/{RUN}/v1/sharded")
-    assert drop_optimizer_state(store, RUN, below=3) == [2]
     assert not store.exists(f"checkpoints/{RUN}/v2/sharded")
     assert store.exists(f"checkpoints/{RUN}/v3/sharded/.metadata")
+    assert drop_optimizer_state(store, RUN, below=4) == [3]
+    assert not store.exists(f"checkpoints/{RUN}/v3/sharded")
+    assert store.exists(f"checkpoints/{RUN}/v4/sharded/.metadata")

@@ -82,6 +82,16 @@ def store_with_batch(request, tmp_path):
     return _store_with_batch(tmp_path, request.param)
 
 
+def step_order(store: Store, segments, seed: int) -> list:
+    """The textbook order of a step's batch: every sample of ``segments`` by id (the same on
+    every member), then shuffled by the plan's seed."""
+    samples = sorted(
+        (s for seg in segments for s in load_samples(store, seg)), key=lambda s: s.sample_id
+    )
+    random.Random(seed).shuffle(samples)
+    return samples
+
+
 def _store_with_batch(tmp_path, arch: str):
     from transformers import AutoModelForCausalLM
 
@@ -167,9 +177,7 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         del port_store
 
     # the reference: one trainer, the same samples in the same order, no reduction
-    samples = load_samples(store, seg)
-    samples.sort(key=lambda s: s.sample_id)
-    random.Random(plan.shuffle_seed).shuffle(samples)
+    samples = step_order(store, [seg], plan.shuffle_seed)
     sizes = [s.n_tokens for s in samples]
     if cfg.context_parallel_tokens:
         _, parts = dp.shard_with_context_parallel(sizes, 2, cfg.context_parallel_tokens)

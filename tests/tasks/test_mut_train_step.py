@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -41,6 +40,7 @@ from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.synth import random_session
 from tasks.trajectory.tree import build_trees
 from tests.models import micro_config
+from tests.tasks.test_dp_step import step_order
 from tests.tasks.trajectory.test_sampler import small_tree
 
 METRICS = {
@@ -248,8 +248,7 @@ def _plan(port: int, step: int, version: int, seg: str, generation: int = 0, **k
 def _reference(store, version: int, seg: str, seed: int, cfg):
     """The textbook step: the replica at ``version``, the segment's samples in id order then
     shuffled by the plan's seed, tokens past the lag bound dropped, one Trainer step."""
-    samples = sorted(load_samples(store, seg), key=lambda s: s.sample_id)
-    random.Random(seed).shuffle(samples)
+    samples = step_order(store, [seg], seed)
     kept = [drop_stale(s, version, cfg.max_staleness) for s in samples]
     ref = restore_trainer(store, MRUN, version, cfg)
     ref.step([s for s, _ in kept], current_version=version)
@@ -387,9 +386,7 @@ def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, capl
                 ref = Trainer(
                     fetch_checkpoint(store, MRUN, 1), version=1, lr=cfg.lr, max_tokens_per_micro=96
                 )
-            samples = sorted(load_samples(store, segs[k]), key=lambda s: s.sample_id)
-            random.Random(plan.shuffle_seed).shuffle(samples)
-            ref.step(samples, current_version=k)
+            ref.step(step_order(store, [segs[k]], plan.shuffle_seed), current_version=k)
             _weights_equal(store, k + 1, ref.model, cfg)
         fresh = (
             "v1 has no sharded state (written with train.sharding=replicate?): the sharded "

@@ -16,7 +16,6 @@ versions' sharded state goes with their optimizer state (``drop_optimizer_state`
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 import traceback
 from types import SimpleNamespace
 
@@ -34,10 +33,10 @@ from storage.store import Store
 from tasks.train import dp
 from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
-from tasks.train_step import drop_stale, load_samples, member_step, restore_trainer
+from tasks.train_step import drop_stale, member_step, restore_trainer
 from tasks.trajectory.sampler import build_samples
 from tasks.trajectory.synth import random_session
-from tests.tasks.test_dp_step import RUN, _store_with_batch, _weights
+from tests.tasks.test_dp_step import RUN, _store_with_batch, _weights, step_order
 
 pytestmark = pytest.mark.integration
 
@@ -85,9 +84,7 @@ def _segment(store: Store, seed: int) -> str:
 
 def _batch(store: Store, plan: dp.StepPlan):
     """The step's samples as member_step trains them: sorted, shuffled, stale dropped."""
-    samples = [s for seg in plan.segments for s in load_samples(store, seg)]
-    samples.sort(key=lambda s: s.sample_id)
-    random.Random(plan.shuffle_seed).shuffle(samples)
+    samples = step_order(store, plan.segments, plan.shuffle_seed)
     return [drop_stale(s, plan.version, CFG.max_staleness)[0] for s in samples]
 
 

@@ -16,8 +16,9 @@ What the installed torch (2.13.0+cpu) does on CPU with gloo, checked by running 
 - AdamW over ``DTensor`` parameters: works (each member updates its own shard).
 - DCP ``save`` / ``load`` of ``get_state_dict(model, optim)`` and ``set_state_dict``:
   work, and reshard on load into a group of another size (2 -> 3 -> 1, bit for bit,
-  tested; and back to 2 with the ranks swapped: the mesh names below). ``dcp.load`` writes into the model's and optimizer's own shards in place
-  (``set_state_dict`` after it changes nothing here; kept, as the documented path).
+  tested; and back to 2 with the ranks swapped: the mesh names below). ``dcp.load``
+  writes into the model's and optimizer's own shards in place (``set_state_dict`` after
+  it changes nothing here; kept, as the documented path).
 - DCP through fsspec: ``FsspecWriter`` / ``FsspecReader`` exist only in the private module
   ``torch.distributed.checkpoint._fsspec_filesystem`` (not exported from
   ``torch.distributed.checkpoint``); they work with ``file://`` (and any fsspec protocol).

@@ -122,10 +122,13 @@ def fetch_checkpoint(
         raise FileNotFoundError(f"checkpoint v{version} is not complete in {store.url}")
     if store.protocol == "file":
         return store.path(rel)
+    # a copy with the optimizer state has a directory of its own: a weights-only copy (an
+    # engine's) must never answer for it, and a complete copy is never changed in place
+    leaf = f"v{version}-optimizer" if with_optimizer else f"v{version}"
     return _cached_copy(
         store,
         rel,
-        _cache_dest(store, run_id, f"v{version}", cache_dir),
+        _cache_dest(store, run_id, leaf, cache_dir),
         # the sharded state is read in place by its members (sharded.load_sharded), never
         # copied: a directory, which this flat copy cannot hold
         lambda name: name != SHARDED_DIR and (with_optimizer or not name.startswith("optimizer")),

@@ -365,6 +365,21 @@ def test_a_fetch_takes_the_optimizer_state_only_when_asked(tmp_path):
     assert sorted(os.listdir(full)) == [_MARK, "model.safetensors", "optimizer.pt"]
 
 
+def test_a_fetch_with_the_optimizer_after_one_without_gets_it_from_the_same_cache(tmp_path):
+    """A rollout cell's engine fetches v1's weights; the same cell, moved to training, then
+    restores a replica at v1 with its AdamW state: the cached copy without it must not
+    answer (the trainer would start a fresh AdamW, with a warning only), and the weights-only
+    copy stays as it was for the engine still reading it."""
+    store = _bucket({"model.safetensors": "w", "optimizer.pt": "o"})
+    cache = str(tmp_path / "cache")
+    plain = fetch_checkpoint(store, "r1", 1, cache_dir=cache)
+    full = fetch_checkpoint(store, "r1", 1, cache_dir=cache, with_optimizer=True)
+    assert sorted(os.listdir(full)) == [_MARK, "model.safetensors", "optimizer.pt"]
+    assert sorted(os.listdir(plain)) == [_MARK, "model.safetensors"]
+    assert fetch_checkpoint(store, "r1", 1, cache_dir=cache) == plain
+    assert fetch_checkpoint(store, "r1", 1, cache_dir=cache, with_optimizer=True) == full
+
+
 def test_a_version_not_committed_is_refused_and_a_local_one_is_read_in_place(tmp_path):
     store = Store(str(tmp_path / "s"))
     store.write_bytes(f"{checkpoint_relpath('r1', 1)}/model.safetensors", b"w")

@@ -92,29 +92,53 @@ def step_order(store: Store, segments, seed: int) -> list:
     return samples
 
 
-def _store_with_batch(tmp_path, arch: str):
+def append_sessions(
+    store: Store,
+    run_id: str,
+    rng: np.random.Generator,
+    sids: list[str],
+    n_calls: int,
+    rewards: dict[str, float] | None = None,
+) -> str:
+    """One segment of samples from synthetic sessions ``sids`` (every token of version 0),
+    rewarded by ``rewards``, else by draws from ``rng`` after the sessions; returns the
+    segment."""
+    recs, spans = [], {}
+    for sid in sids:
+        r, sp = random_session(
+            rng, n_calls=n_calls, session_id=sid, run_id=run_id, p_version_bump=0
+        )
+        recs += r
+        spans.update(sp)
+    if rewards is None:
+        rewards = {sid: float(rng.random()) for sid in sids}
+    samples = build_samples(
+        build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=run_id
+    )
+    return store.append("samples", [s.to_row() for s in samples])
+
+
+def micro_store(tmp_path, run_id: str, arch: str = "qwen3", perturb: float = 0.0) -> Store:
+    """A store whose ``run_id`` has a micro model (seed 0, its weights moved by ``perturb``
+    times a normal draw, so a step's gradients are not those of an initial model) as v0."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(micro_config(arch, 40), attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * perturb)
     model.save_pretrained(tmp_path / "model")
     store = Store(str(tmp_path / "store"))
-    publish_checkpoint(store, RUN, str(tmp_path / "model"), 0)
-    rng = np.random.default_rng(3)
-    recs, spans = [], {}
-    for i in range(6):
-        r, sp = random_session(rng, n_calls=5, session_id=f"s{i}", run_id=RUN, p_version_bump=0)
-        recs += r
-        spans.update(sp)
-    rewards = {f"s{i}": float(rng.random()) for i in range(6)}
-    samples = build_samples(
-        build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=RUN
-    )
-    seg = store.append("samples", [s.to_row() for s in samples])
-    return store, seg
+    publish_checkpoint(store, run_id, str(tmp_path / "model"), 0)
+    return store
+
+
+def _store_with_batch(tmp_path, arch: str):
+    store = micro_store(tmp_path, RUN, arch, perturb=0.1)
+    sids = [f"s{i}" for i in range(6)]
+    return store, append_sessions(store, RUN, np.random.default_rng(3), sids, n_calls=5)
 
 
 def test_two_members_make_the_one_member_step(store_with_batch):

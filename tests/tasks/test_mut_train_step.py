@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from storage.checkpoints import fetch_checkpoint, publish_checkpoint, stage_checkpoint
 from storage.commits import committed_steps
@@ -33,14 +32,12 @@ from tasks.train_step import (
     drop_stale,
     load_samples,
     member_step,
+    restore_sharded,
     restore_trainer,
     sample_lag,
 )
 from tasks.trajectory.sampler import build_samples
-from tasks.trajectory.synth import random_session
-from tasks.trajectory.tree import build_trees
-from tests.models import micro_config
-from tests.tasks.test_dp_step import step_order
+from tests.tasks.test_dp_step import append_sessions, micro_store, step_order
 from tests.tasks.trajectory.test_sampler import small_tree
 
 METRICS = {
@@ -207,25 +204,19 @@ COST_KEYS = {"begin_t", "form_s", "sync_s", "train_s", "commit_s"}
 
 def _member_store(tmp_path):
     """A micro Qwen3 at v0 and four segments of two sessions each, every token of version 0."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(micro_config("qwen3", 40), attn_implementation="sdpa")
-    model.save_pretrained(tmp_path / "model")
-    store = Store(str(tmp_path / "store"))
-    publish_checkpoint(store, MRUN, str(tmp_path / "model"), 0)
+    store = micro_store(tmp_path, MRUN)
     rng = np.random.default_rng(7)
-    segs = []
-    for k in range(4):
-        recs, spans, rewards = [], {}, {}
-        for i in range(2):
-            sid = f"s{k}{i}"
-            r, sp = random_session(rng, n_calls=4, session_id=sid, run_id=MRUN, p_version_bump=0)
-            recs += r
-            spans.update(sp)
-            rewards[sid] = float(k + i)
-        samples = build_samples(
-            build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=MRUN
+    segs = [
+        append_sessions(
+            store,
+            MRUN,
+            rng,
+            [f"s{k}0", f"s{k}1"],
+            n_calls=4,
+            rewards={f"s{k}{i}": float(k + i) for i in range(2)},
         )
-        segs.append(store.append("samples", [s.to_row() for s in samples]))
+        for k in range(4)
+    ]
     return store, segs
 
 
@@ -404,6 +395,25 @@ def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, capl
         del server
 
 
+def test_a_sharded_trainer_with_kl_gets_the_warm_start_as_reference(tmp_path):
+    """``restore_sharded`` with ``kl_coef > 0`` (one member in the test process): the KL
+    reference is this run's v0 checkpoint, its weights exactly the warm start's."""
+    store, segs = _member_store(tmp_path)
+    server, port = dp.host_store("127.0.0.1", timeout_s=60)
+    group = dp.DPGroup(_plan(port, 0, 0, segs[0]).rendezvous(0), backend="gloo", timeout_s=60)
+    try:
+        cfg = TrainConfig(max_tokens_per_micro=96, kl_coef=0.1, sharding="fsdp")
+        trainer, how = restore_sharded(store, MRUN, 0, cfg, group)
+        assert how == "checkpoint"
+        assert trainer.ref_model_dir == fetch_checkpoint(store, MRUN, 0)
+        warm = restore_trainer(store, MRUN, 0, TrainConfig()).model.state_dict()
+        for name, t in trainer.ref_model.state_dict().items():
+            assert torch.equal(t, warm[name]), name
+    finally:
+        group.close()
+        del server
+
+
 # -- the small helpers, from their definitions ------------------------------------------------
 
 
@@ -523,6 +533,39 @@ def test_the_cells_replica_is_kept_between_steps_and_restored_with_its_optimizer
         train_on_samples(store, "r1", 1, seg, cfg, holder=holder)
     empty = train_on_samples(store, "r1", 1, None, cfg, holder=holder)
     assert empty.weight_version == 2 and committed_steps(store, "r1")[-1]["ledger"] == []
+
+
+def test_a_replica_restored_from_an_object_store_has_its_adamw_state_and_asked_version(tmp_path):
+    """``restore_trainer`` from a store that is not local (fetched into the host's cache, not
+    read in place): the committed AdamW moments come back, even when the host's engine
+    fetched that version's weights first; and the version is the one asked for even where
+    the checkpoint records none (a plain model directory)."""
+    import uuid
+
+    from infra.engine.tiny_model import make_tiny_model
+    from storage.checkpoints import commit_checkpoint
+    from tasks.train_step import train_on_samples
+
+    cfg = TrainConfig(lr=2e-3)
+    local = Store(str(tmp_path / "store"))
+    publish_checkpoint(local, "r1", make_tiny_model(), 0)
+    samples = build_samples([small_tree("s", (0, 0, 0, 0))], {"s": 1.0}, advantage="reward")
+    holder = SimpleNamespace(trainer=None, trainer_key=None)
+    seg = local.append("samples", [smp.to_row() for smp in samples])
+    train_on_samples(local, "r1", 0, seg, cfg, holder=holder)
+    remote = Store(f"memory://gyre-mut-ts-{uuid.uuid4().hex}")
+    for v, src in ((1, fetch_checkpoint(local, "r1", 1)), (3, make_tiny_model())):
+        stage_checkpoint(remote, "r1", src, v)
+        commit_checkpoint(remote, "r1", v)
+    fetch_checkpoint(remote, "r1", 1)  # the engine's weights-only copy, first
+    back = restore_trainer(remote, "r1", 1, cfg)
+    mine = holder.trainer.optimizer.state_dict()["state"]
+    got = back.optimizer.state_dict()["state"]
+    assert mine and got.keys() == mine.keys()
+    for k, st in mine.items():
+        assert torch.equal(got[k]["exp_avg_sq"], st["exp_avg_sq"]), k
+    assert back.version == 1 and back.n_steps == 1
+    assert restore_trainer(remote, "r1", 3, cfg).version == 3
 
 
 def test_member_on_cell_uses_the_cells_plugin_to_hold_group_and_replica(tmp_path):

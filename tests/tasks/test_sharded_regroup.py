@@ -34,9 +34,7 @@ from tasks.train import dp
 from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
 from tasks.train_step import drop_stale, member_step, restore_trainer
-from tasks.trajectory.sampler import build_samples
-from tasks.trajectory.synth import random_session
-from tests.tasks.test_dp_step import RUN, _store_with_batch, _weights, step_order
+from tests.tasks.test_dp_step import RUN, _store_with_batch, _weights, append_sessions, step_order
 
 pytestmark = pytest.mark.integration
 
@@ -66,20 +64,8 @@ def _cell_loop(name: str, store_url: str, inbox, outbox) -> None:
 
 
 def _segment(store: Store, seed: int) -> str:
-    from tasks.trajectory.tree import build_trees
-
-    rng = np.random.default_rng(seed)
-    recs, spans = [], {}
-    for i in range(5):
-        sid = f"s{seed}-{i}"
-        r, sp = random_session(rng, n_calls=4, session_id=sid, run_id=RUN, p_version_bump=0)
-        recs += r
-        spans.update(sp)
-    rewards = {f"s{seed}-{i}": float(rng.random()) for i in range(5)}
-    samples = build_samples(
-        build_trees(recs, spans=spans), rewards, dict.fromkeys(rewards, "g"), run_id=RUN
-    )
-    return store.append("samples", [s.to_row() for s in samples])
+    sids = [f"s{seed}-{i}" for i in range(5)]
+    return append_sessions(store, RUN, np.random.default_rng(seed), sids, n_calls=4)
 
 
 def _batch(store: Store, plan: dp.StepPlan):

@@ -599,9 +599,31 @@ EQUIVALENT: dict[str, str] = {
     " under the temp directory on Linux, never abstract, so the socket is chmod-ed either way",
     "infra.cells.zygote.x_start_zygote__mutmut_62": _MAIN_NEVER_RETURNS,
     "infra.cells.zygote.x_start_zygote__mutmut_63": _MAIN_NEVER_RETURNS,
-    "tasks.train_step.x_restore_sharded__mutmut_30": "the n_steps default None for 0: every"
-    " writer of trainer_state.json (Trainer.save, sharded.save_consolidated) writes n_steps,"
-    " so the default is never read",
+    **dict.fromkeys(
+        [f"tasks.train_step.x_restore_sharded__mutmut_{n}" for n in (30, 32, 36)],
+        "the n_steps default (None, dropped or 1 for 0): every writer of trainer_state.json"
+        " (Trainer.save, sharded.save_consolidated) writes n_steps, so the default is never"
+        " read",
+    ),
+    "tasks.train_step.x_drop_stale__mutmut_3": "`or True` on `sample.counts is not None`:"
+    " Sample.__post_init__ (and dataclasses.replace, which runs it) fills counts from the"
+    " trainable mask when None, so counts is never None here and the else is not reached",
+    "tasks.train_step.x__sharded_trainer__mutmut_11": "`2 if mine` for `1 if mine`: all()"
+    " of the gathered flags is the same for 2 as for 1",
+    "tasks.train_step.x__sharded_trainer__mutmut_19": "restore_sharded's group None:"
+    " restore_sharded never reads its group (sharded.shard_trainer meshes over the default"
+    " process group, which the DPGroup formed)",
+    **dict.fromkeys(
+        [f"tasks.train_step.x_stage_sharded__mutmut_{n}" for n in (11, 12, 13)]
+        + [f"tasks.train_step.x_commit_step__mutmut_{n}" for n in (6, 7, 8)],
+        "the staging directory's name prefix: a TemporaryDirectory, removed whatever its name,"
+        " that no reader lists",
+    ),
+    **dict.fromkeys([f"tasks.train_step.x__check_ledger__mutmut_{n}" for n in (13, 16, 21)], _ZIP),
+    **dict.fromkeys(
+        [f"tasks.train_step.x_commit_step__mutmut_{n}" for n in (62, 65, 66)],
+        "zip's strict on the samples and their lags, one lag computed per sample",
+    ),
 }
 
 # mutmut's exit codes (mutmut/stats.py status_by_exit_code), folded into the bench's columns

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -274,7 +275,10 @@ def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tm
 
         def step(plan, **kw):
             before = time.time()
-            done = member_step(store, MRUN, plan, 0, cfg, holder=holder, backend="gloo", **kw)
+            if torch.cuda.is_available():  # the default backend ("auto") is NCCL there
+                kw.setdefault("backend", "gloo")
+            done = member_step(store, MRUN, plan, 0, cfg, holder=holder, **kw)
+            assert holder.dp.backend == "gloo"
             assert set(done.costs) == COST_KEYS
             assert before <= done.costs["begin_t"] <= time.time()
             assert done.step == plan.step and done.weight_version == plan.version + 1
@@ -389,6 +393,58 @@ def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, capl
             (0.0, True, []),
             (3.0, False, []),
         ]
+    finally:
+        if holder.dp is not None:
+            holder.dp.close()
+        del server
+
+
+def test_a_cell_whose_next_group_fails_to_form_forms_the_one_after_at_its_interface(
+    tmp_path, monkeypatch
+):
+    """A cell in a group is sent to a generation of two whose other member never comes: the
+    old group is closed and the failure named within the timeout; the cell then forms the
+    generation after and commits, gloo told the interface of the cell's worker address (where
+    this machine has a routable one)."""
+    from tests.tasks.train.test_mut_dp import _routable_address
+
+    monkeypatch.delenv(dp.GLOO_IFNAME, raising=False)
+    monkeypatch.delenv("_GYRE_GLOO_FOR", raising=False)
+    asked: list[str] = []
+    pick = dp.pick_backend
+    monkeypatch.setattr(dp, "pick_backend", lambda b="auto": asked.append(b) or pick(b))
+    cfg = TrainConfig(lr=1e-3, max_tokens_per_micro=96)
+    store, segs = _member_store(tmp_path)
+    server, port = dp.host_store("127.0.0.1", timeout_s=60)
+    routable = _routable_address()
+    holder = SimpleNamespace(
+        dp=None,
+        trainer=None,
+        trainer_run=None,
+        trainer_key=None,
+        worker_address=f"tcp://{routable[0] if routable else '127.0.0.1'}:1",
+    )
+    try:
+        first = member_step(
+            store, MRUN, _plan(port, 0, 0, segs[0]), 0, cfg, holder=holder, backend="gloo"
+        )
+        if routable:
+            assert os.environ[dp.GLOO_IFNAME] == routable[1]
+        alone = replace(_plan(port, 1, 1, segs[1], generation=1), members=("cell-a", "cell-b"))
+        with pytest.raises(dp.DPError, match=r"^generation 1: rank 0 of 2 could not form"):
+            member_step(store, MRUN, alone, 0, cfg, holder=holder, backend="gloo", timeout_s=1)
+        assert holder.dp is None and first.weight_version == 1
+        done = member_step(
+            store,
+            MRUN,
+            _plan(port, 1, 1, segs[1], generation=2),
+            0,
+            cfg,
+            holder=holder,
+            backend="gloo",
+        )
+        assert done.weight_version == 2 and holder.dp.rv.generation == 2
+        assert asked == ["gloo"] * 3  # the backend the caller named, at each formation
     finally:
         if holder.dp is not None:
             holder.dp.close()

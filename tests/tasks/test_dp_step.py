@@ -203,8 +203,9 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
     # the reference: one trainer, the same samples in the same order, no reduction
     samples = step_order(store, [seg], plan.shuffle_seed)
     sizes = [s.n_tokens for s in samples]
+    long: list[int] = []
     if cfg.context_parallel_tokens:
-        _, parts = dp.shard_with_context_parallel(sizes, 2, cfg.context_parallel_tokens)
+        long, parts = dp.shard_with_context_parallel(sizes, 2, cfg.context_parallel_tokens)
     else:
         parts = dp.shard(sizes, 2)
     assert all(parts), "both members must train part of the batch"
@@ -221,6 +222,7 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         assert m["train/grad_norm"] == pytest.approx(ref_m["train/grad_norm"], rel=1e-5)
         assert m["train/loss"] == pytest.approx(ref_m["train/loss"], rel=1e-5, abs=1e-8)
         assert m["train/trainable_tokens"] == ref_m["train/trainable_tokens"]
+        assert m["train/context_parallel_samples"] == len(long)  # none without the setting
     # rank 0 committed v1: the one-member weights
     assert got[0][2] and not got[1][2]
     committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=cfg.lr)

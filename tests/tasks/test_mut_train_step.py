@@ -23,7 +23,7 @@ import torch
 from storage.checkpoints import fetch_checkpoint, publish_checkpoint, stage_checkpoint
 from storage.commits import committed_steps
 from storage.store import Store
-from tasks.train import dp
+from tasks.train import dp, sharded
 from tasks.train.config import TrainConfig
 from tasks.train.trainer import Trainer
 from tasks.train_step import (
@@ -393,6 +393,12 @@ def test_a_one_member_sharded_step_in_process_keeps_then_reshards(tmp_path, capl
             (0.0, True, []),
             (3.0, False, []),
         ]
+        # back to train.sharding=replicate: the sharded trainer is no replica, the checkpoint is
+        seg4 = append_sessions(store, MRUN, np.random.default_rng(9), ["s40", "s41"], n_calls=4)
+        plan = _plan(port, 4, 4, seg4, generation=1)
+        done = member_step(store, MRUN, plan, 0, cfg, holder=holder, backend="gloo")
+        assert done.metrics["train/dp_sync"] == 2.0 and done.weight_version == 5
+        assert not sharded.is_sharded(holder.trainer)
     finally:
         if holder.dp is not None:
             holder.dp.close()
@@ -417,10 +423,9 @@ def test_a_cell_whose_next_group_fails_to_form_forms_the_one_after_at_its_interf
     store, segs = _member_store(tmp_path)
     server, port = dp.host_store("127.0.0.1", timeout_s=60)
     routable = _routable_address()
-    holder = SimpleNamespace(
+    holder = SimpleNamespace(  # no trainer_run yet: member_step sets it
         dp=None,
         trainer=None,
-        trainer_run=None,
         trainer_key=None,
         worker_address=f"tcp://{routable[0] if routable else '127.0.0.1'}:1",
     )
@@ -434,16 +439,28 @@ def test_a_cell_whose_next_group_fails_to_form_forms_the_one_after_at_its_interf
         with pytest.raises(dp.DPError, match=r"^generation 1: rank 0 of 2 could not form"):
             member_step(store, MRUN, alone, 0, cfg, holder=holder, backend="gloo", timeout_s=1)
         assert holder.dp is None and first.weight_version == 1
+        eight = append_sessions(
+            store, MRUN, np.random.default_rng(5), [f"e{i}" for i in range(8)], n_calls=3
+        )
+        plan = _plan(port, 1, 1, eight, generation=2)
         done = member_step(
             store,
             MRUN,
-            _plan(port, 1, 1, segs[1], generation=2),
+            plan,
             0,
-            cfg,
+            cfg.model_copy(update={"context_parallel_tokens": 8}),
             holder=holder,
             backend="gloo",
         )
         assert done.weight_version == 2 and holder.dp.rv.generation == 2
+        # long samples, but a member alone trains them whole: none context parallel
+        assert max(s.n_tokens for s in load_samples(store, eight)) > 8
+        assert done.metrics["train/context_parallel_samples"] == 0.0
+        # the ledger in the batch's order: by id, shuffled by the plan's seed (1 in 8! by chance)
+        ledger = committed_steps(store, MRUN)[-1]["ledger"]
+        assert [r["sample_id"] for r in ledger] == [
+            s.sample_id for s in step_order(store, [eight], plan.shuffle_seed)
+        ]
         assert asked == ["gloo"] * 3  # the backend the caller named, at each formation
     finally:
         if holder.dp is not None:

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.integration
 
 RUN = "dp"
 CFG = TrainConfig(lr=1e-5, max_tokens_per_micro=96, max_staleness=1, stale_policy="drop")
+S_PER_TOKEN = 1e-6  # paced device time per token of a member's shard: a few ms a step
 
 
 def _grads(model) -> dict[str, np.ndarray]:
@@ -54,7 +55,8 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out, cfg: TrainConfig 
     the thread count are put back after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    reduce = dp.DPGroup.reduce_grads
+    reduce, pace = dp.DPGroup.reduce_grads, dp.pace
+    paced: list[float] = []  # the device time each pacing waited for
     holder = SimpleNamespace(dp=None, trainer=None, trainer_run=None, trainer_key=None)
     try:
         seen: dict[str, np.ndarray] = {}
@@ -64,12 +66,22 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out, cfg: TrainConfig 
             seen.update(_grads(model))
 
         dp.DPGroup.reduce_grads = spy
-        done = member_step(Store(store_url), RUN, plan, rank, cfg, holder=holder, backend="gloo")
-        out.put((rank, done.metrics, seen, done.checkpoint))
+        dp.pace = lambda started, device_s: paced.append(device_s) or pace(started, device_s)
+        done = member_step(
+            Store(store_url),
+            RUN,
+            plan,
+            rank,
+            cfg,
+            holder=holder,
+            backend="gloo",
+            s_per_token=S_PER_TOKEN,
+        )
+        out.put((rank, done.metrics, seen, done.checkpoint, paced))
     except Exception:
-        out.put((rank, "error", traceback.format_exc(), ""))
+        out.put((rank, "error", traceback.format_exc(), "", []))
     finally:
-        dp.DPGroup.reduce_grads = reduce
+        dp.DPGroup.reduce_grads, dp.pace = reduce, pace
         torch.set_num_threads(threads)
         if holder.dp is not None:
             holder.dp.close()
@@ -191,9 +203,9 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         _member(store.url, plan, 0, here, cfg)  # rank 0, in this process
         got = {}
         for res in (here.get_nowait(), out.get(timeout=120)):
-            rank, metrics, grads, ckpt = res
+            rank, metrics, grads, ckpt, paced = res
             assert metrics != "error", f"rank {rank}: {grads}"
-            got[rank] = (metrics, grads, ckpt)
+            got[rank] = (metrics, grads, ckpt, paced)
     finally:
         other.join(timeout=30)
         if other.is_alive():
@@ -213,7 +225,10 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
     ref_grads: dict[str, np.ndarray] = {}
     ref_m = ref.step(samples, reduce_grads=lambda m: ref_grads.update(_grads(m)))
 
-    for rank, (m, grads, _) in got.items():
+    for rank, (m, grads, _, paced) in got.items():
+        # paced per token of its shard, a context-parallel sample's split over the members
+        mine = sum(sizes[i] for i in parts[rank]) + sum(sizes[i] for i in long) / 2
+        assert paced and all(p == pytest.approx(S_PER_TOKEN * mine) for p in paced), rank
         # a sharded step sums its gradients in FSDP2, not DPGroup.reduce_grads: no spy
         assert grads.keys() == (ref_grads.keys() if cfg.sharding == "replicate" else set())
         for k, g in (ref_grads if grads else {}).items():

@@ -254,7 +254,9 @@ def _weights_equal(store, version: int, model, cfg) -> None:
         assert float((got[k] - w).abs().max()) <= 1e-6, (version, k)
 
 
-def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tmp_path):
+def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(
+    tmp_path, monkeypatch
+):
     """``member_step`` as a cell runs it, one member: v0 loaded from the checkpoint, then the
     replica and the group kept, a new generation re-forms the group, a replica of another
     run is not used, tokens past the lag bound are dropped, each committed version is the
@@ -311,7 +313,18 @@ def test_a_one_member_step_in_process_keeps_its_group_and_replica_and_commits(tm
         ref2, dropped2, _ = _reference(store, 2, segs[2], 13, cfg)
         assert dropped2 > 0
         n2 = sum(smp.n_tokens for smp in load_samples(store, segs[2]))
+        # paced per token: from the compute's start, after the batch is loaded
+        import tasks.train_step as ts
+
+        loads, paces = [], []
+        load, pace = ts.load_samples, dp.pace
+        monkeypatch.setattr(
+            ts, "load_samples", lambda *a: loads.append(time.monotonic()) or load(*a)
+        )
+        monkeypatch.setattr(dp, "pace", lambda t, s: paces.append((t, s)) or pace(t, s))
         d2 = step(_plan(port, 2, 2, segs[2], generation=1), s_per_token=1.0 / n2)
+        monkeypatch.undo()
+        assert paces and all(t > loads[-1] and s == pytest.approx(1.0) for t, s in paces)
         assert holder.dp is not group0 and d2.costs["form_s"] > 0
         assert d2.metrics["train/dp_sync"] == 0.0
         assert d2.metrics["train/dropped_stale_tokens"] == dropped2

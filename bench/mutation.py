@@ -620,6 +620,24 @@ EQUIVALENT: dict[str, str] = {
         " that no reader lists",
     ),
     **dict.fromkeys([f"tasks.train_step.x__check_ledger__mutmut_{n}" for n in (13, 16, 21)], _ZIP),
+    "tasks.train_step.x_member_step__mutmut_2": "the group's timeout default 601 s for 600 s:"
+    " every caller passes its own (train_member, the tests)",
+    **dict.fromkeys(
+        [f"tasks.train_step.x_member_step__mutmut_{n}" for n in (20, 26, 37)],
+        "a holder without a worker address (None, 'XXXX' or '' for ''): host_of gives an"
+        " address on no interface, or none, and use_interface_of then sets nothing and returns"
+        " what is in force, as for None",
+    ),
+    "tasks.train_step.x_member_step__mutmut_168": "the normaliser's fallback 2.0 for 1.0: it is"
+    " used only when no token of the batch is trainable, where every loss weight is 0 and"
+    " the loss and gradients are 0 whatever they are divided by",
+    "tasks.train_step.x_member_step__mutmut_175": "the unpaced branch's device time 1.0 for"
+    " 0.0: the next statement sets it (per token) whenever plan.pace_s is 0",
+    **dict.fromkeys(
+        [f"tasks.train_step.x_member_step__mutmut_{n}" for n in (188, 194, 203, 208)],
+        "the step's current_version None or dropped: the trainer then uses its own version,"
+        " which is plan.version (kept, broadcast or restored at it just before)",
+    ),
     **dict.fromkeys(
         [f"tasks.train_step.x_commit_step__mutmut_{n}" for n in (62, 65, 66)],
         "zip's strict on the samples and their lags, one lag computed per sample",

@@ -238,6 +238,8 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         assert m["train/loss"] == pytest.approx(ref_m["train/loss"], rel=1e-5, abs=1e-8)
         assert m["train/trainable_tokens"] == ref_m["train/trainable_tokens"]
         assert m["train/context_parallel_samples"] == len(long)  # none without the setting
+        # the batch's mean reward, not this member's shard's
+        assert m["train/reward_mean"] == pytest.approx(float(np.mean([x.reward for x in samples])))
     # rank 0 committed v1: the one-member weights
     assert got[0][2] and not got[1][2]
     committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=cfg.lr)

@@ -474,6 +474,11 @@ def test_a_cell_whose_next_group_fails_to_form_forms_the_one_after_at_its_interf
         assert [r["sample_id"] for r in ledger] == [
             s.sample_id for s in step_order(store, [eight], plan.shuffle_seed)
         ]
+        # a step with no samples (nothing arrived): a version all the same, reward 0
+        empty = replace(_plan(port, 2, 2, eight, generation=2), segments=())
+        none = member_step(store, MRUN, empty, 0, cfg, holder=holder, backend="gloo")
+        assert none.weight_version == 3 and none.metrics["train/reward_mean"] == 0.0
+        assert committed_steps(store, MRUN)[-1]["ledger"] == []
         assert asked == ["gloo"] * 3  # the backend the caller named, at each formation
     finally:
         if holder.dp is not None:

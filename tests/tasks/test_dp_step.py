@@ -77,9 +77,19 @@ def _member(store_url: str, plan: dp.StepPlan, rank: int, out, cfg: TrainConfig 
             backend="gloo",
             s_per_token=S_PER_TOKEN,
         )
-        out.put((rank, done.metrics, seen, done.checkpoint, paced))
+        costs = None if done.costs is None else sorted(done.costs)
+        out.put(
+            (
+                rank,
+                done.metrics,
+                seen,
+                done.checkpoint,
+                paced,
+                (done.step, done.weight_version, costs),
+            )
+        )
     except Exception:
-        out.put((rank, "error", traceback.format_exc(), "", []))
+        out.put((rank, "error", traceback.format_exc(), "", [], ()))
     finally:
         dp.DPGroup.reduce_grads, dp.pace = reduce, pace
         torch.set_num_threads(threads)
@@ -203,9 +213,13 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         _member(store.url, plan, 0, here, cfg)  # rank 0, in this process
         got = {}
         for res in (here.get_nowait(), out.get(timeout=120)):
-            rank, metrics, grads, ckpt, paced = res
+            rank, metrics, grads, ckpt, paced, done = res
             assert metrics != "error", f"rank {rank}: {grads}"
             got[rank] = (metrics, grads, ckpt, paced)
+            # every member's result: the step, the version it made, its own costs (rank 0's
+            # with its commit's)
+            commit = ["commit_s"] if rank == 0 else []
+            assert done == (0, 1, sorted(["begin_t", "form_s", "sync_s", "train_s", *commit]))
     finally:
         other.join(timeout=30)
         if other.is_alive():
@@ -241,7 +255,7 @@ def _two_members_equal_one(store, seg, cfg: TrainConfig) -> dict:
         # the batch's mean reward, not this member's shard's
         assert m["train/reward_mean"] == pytest.approx(float(np.mean([x.reward for x in samples])))
     # rank 0 committed v1: the one-member weights
-    assert got[0][2] and not got[1][2]
+    assert got[0][2] and got[1][2] == ""
     committed = Trainer(fetch_checkpoint(store, RUN, 1), lr=cfg.lr)
     want = _weights(ref.model)
     for k, w in _weights(committed.model).items():

@@ -921,6 +921,10 @@ def run_module(
         unreached += [
             k for k in chosen if status_of(codes.get(k)) == "survived" and k not in EQUIVALENT
         ]
+        # then mutmut's timeouts: its limit is 3 x its estimate of the tests' time, and the
+        # estimate can be far short (train_step.member_step: 5.3 s for tests of 25 s), which
+        # counts a slow but surviving mutant as killed; rerun, the limit is the whole files'
+        unreached += [k for k in chosen if status_of(codes.get(k)) == "timeout"]
         rerun = {}
         if unreached and child_budget > 0:
             _sweep(work / "mutants", clean)

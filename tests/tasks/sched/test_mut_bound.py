@@ -108,3 +108,72 @@ def test_prune_keeps_exactly_the_paths_no_other_beats_on_their_tails():
         }
         got = _prune(paths, hist)
         assert sorted(p[-hist:] for p in got) == sorted(front)
+
+
+def _textbook_estimate(w: Workload, lag: int) -> dict[str, float]:
+    """The expected-value model as `estimate`'s docstring states it, computed here: per batch
+    ``j`` its mean capped duration, its expected longest (of ``batch`` draws at its smallest
+    median) and its mean training cost, over 16 evenly spaced rollouts of the batch; ``d_j``
+    the fastest step over every member count; ``S_j`` the latest of the previous step's
+    end, the lag window (``S_L >= M_0``, ``S_{u+L} >= E_{u-1} + M_u``) and the capacity
+    (``cells * S_j >= sum_{u <= j} b * mean_u / cap + sum_{u < j} b * train_u``)."""
+    from tasks.sched.waterlevel import dp_step_seconds
+    from tasks.sched.workload import capped_mean, expected_max
+
+    n, b = w.steps, w.batch
+    mean, longest, train, step = [], [], [], []
+    for j in range(n):
+        meds = [w.median_at(j * b + (b - 1) * k // 15) for k in range(16)]
+        mean.append(sum(capped_mean(m, w.sigma, w.timeout_s) for m in meds) / 16)
+        longest.append(expected_max(min(meds), w.sigma, w.timeout_s, b))
+        t = sum(w.mean_train_cost(m) for m in meds) / 16
+        train.append(t if w.train_follows_length else w.train_s_per_sample)
+        step.append(
+            min(dp_step_seconds(b, m, train[j], w.dp_sync_s) for m in range(1, w.cells + 1))
+        )
+    S: list[float] = []
+    for j in range(n):
+        s = S[j - 1] + step[j - 1] if j else 0.0
+        if j == lag:
+            s = max(s, longest[0])
+        if j > lag:
+            u = j - lag
+            s = max(s, S[u - 1] + step[u - 1] + longest[u])
+        cap = sum(b * mean[u] / w.cap for u in range(j + 1)) + sum(b * train[u] for u in range(j))
+        S.append(max(s, cap / w.cells))
+    run = S[-1] + step[-1]
+    k = n // 4
+    return {
+        "whole_run_per_hour": n * b / run * 3600,
+        "steady_per_hour": b * (n - 1 - k) / (S[-1] - S[k]) * 3600 if n - 1 > k else 0.0,
+        "lag_window_per_hour": (lag + 1) * b / (longest[0] + step[0]) * 3600,
+        "capacity_per_hour": w.cells / (mean[0] / w.cap + train[0]) * 3600,
+        "step_s": step[0],
+        "longest_s": longest[0],
+        "run_s": run,
+    }
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        WAVY,
+        dataclasses.replace(WAVY, train_follows_length=False, timeout_s=300.0),
+        dataclasses.replace(WAVY, steps=2, cells=3, cap=1, growth=1.5),
+        dataclasses.replace(WAVY, steps=1),
+        dataclasses.replace(WAVY, batch=40, steps=5, dp_sync_s=0.0, burst_every=0.0),
+    ],
+    ids=["wavy", "capped", "few-cells", "one-step", "no-sync"],
+)
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_the_estimate_is_the_textbook_expected_value_model(w, lag):
+    got = estimate(w, lag)
+    want = _textbook_estimate(w, lag)
+    assert {k: getattr(got, k) for k in want} == pytest.approx(want, rel=1e-12)
+    assert got.per_seed == () and got.proven is False
+
+
+def test_a_negative_lag_is_refused_by_name():
+    with pytest.raises(ValueError) as err:
+        estimate(WAVY, -1)
+    assert str(err.value) == "max_lag must be >= 0, got -1"

@@ -546,6 +546,10 @@ EQUIVALENT: dict[str, str] = {
         )
         for n in ns
     },
+    "tasks.sched.bound.x__batch_stats__mutmut_13": "max(2, _POINTS - 1) for max(1, ...):"
+    " _POINTS is 16, so both are 15",
+    "tasks.sched.bound.x_estimate__mutmut_47": "`elif j >= L` for `elif j > L`: j == L is"
+    " taken by the `if` before it",
     "tasks.sched.bound.x__programme__mutmut_61": "the window loop from 0 for from p: an"
     " iteration q < p neither moves s or prev (only q > p does) nor emits a state (only"
     " q >= lo_q >= p does), so the states and bounds are the same",

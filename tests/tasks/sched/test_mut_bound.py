@@ -162,8 +162,10 @@ def _textbook_estimate(w: Workload, lag: int) -> dict[str, float]:
         dataclasses.replace(WAVY, steps=2, cells=3, cap=1, growth=1.5),
         dataclasses.replace(WAVY, steps=1),
         dataclasses.replace(WAVY, batch=40, steps=5, dp_sync_s=0.0, burst_every=0.0),
+        # sub-second rollouts and steps on many cells: the first step may start before 1 s
+        dataclasses.replace(WAVY, cells=64, median_s=0.01, timeout_s=1.0, train_s_per_sample=0.01),
     ],
-    ids=["wavy", "capped", "few-cells", "one-step", "no-sync"],
+    ids=["wavy", "capped", "few-cells", "one-step", "no-sync", "sub-second"],
 )
 @pytest.mark.parametrize("lag", [0, 1, 3])
 def test_the_estimate_is_the_textbook_expected_value_model(w, lag):
@@ -177,3 +179,46 @@ def test_a_negative_lag_is_refused_by_name():
     with pytest.raises(ValueError) as err:
         estimate(WAVY, -1)
     assert str(err.value) == "max_lag must be >= 0, got -1"
+
+
+@pytest.mark.parametrize("follows", [True, False])
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_seeds_realization_is_the_proofs_terms(follows, lag):
+    """``_realize``, recomputed from the proof's statements on the seed's durations: the
+    rollouts ``0 .. (n + L + 1) * b - 1``; each batch's longest and the last rollout of the
+    batch that long (durations capped at the timeout tie); step ``j``'s work lower bound, the
+    ``b`` shortest of the rollouts it may train (index in ``[(j - L) b, (j + L + 1) b)``),
+    and its fastest step over every member count; the capacity floor (fact 6)."""
+    from tasks.sched.bound import _realize
+    from tasks.sched.waterlevel import dp_step_seconds
+    from tasks.sched.workload import Durations
+
+    w = dataclasses.replace(WAVY, timeout_s=150.0, train_follows_length=follows)
+    n, b = w.steps, w.batch
+    for seed in (0, 1):
+        r = _realize(w, lag, seed)
+        dur = Durations(w, seed)
+        d = [dur[i] for i in range((n + lag + 1) * b)]
+        assert list(r.d) == d
+        ties = 0
+        for k in range(n):
+            m = max(d[k * b : (k + 1) * b])
+            last = max(i for i in range(k * b, (k + 1) * b) if d[i] == m)
+            ties += sum(x == m for x in d[k * b : (k + 1) * b]) > 1
+            assert (r.longest[k], r.argmax[k]) == (m, last), k
+        assert ties > 0  # the cap makes ties: the last of them is taken
+        works = []
+        for j in range(n):
+            lo, hi = max(0, j - lag) * b, (j + lag + 1) * b
+            small = sorted(d[lo:hi])[:b]
+            work = w.train_s_per_sample / w.start_mean_s * sum(small) if follows else b * 10.0
+            assert r.work[j] == pytest.approx(work, rel=1e-12), j
+            fastest = min(
+                dp_step_seconds(b, c, work / b, w.dp_sync_s) for c in range(1, w.cells + 1)
+            )
+            assert r.steps[j] == pytest.approx(fastest, rel=1e-12), j
+            sure = max(0, j - lag + 1) * b
+            extra = sum(sorted(d[sure:hi])[: (j + 1) * b - sure])
+            floor = ((sum(d[:sure]) + extra) / w.cap + sum(works)) / w.cells
+            assert r.floor[j] == pytest.approx(floor, rel=1e-12), j
+            works.append(work)

@@ -181,9 +181,10 @@ def test_a_negative_lag_is_refused_by_name():
     assert str(err.value) == "max_lag must be >= 0, got -1"
 
 
+@pytest.mark.parametrize("wave", [8.0, 1.0], ids=["wave", "calm"])
 @pytest.mark.parametrize("follows", [True, False])
 @pytest.mark.parametrize("lag", [0, 1, 2])
-def test_a_seeds_realization_is_the_proofs_terms(follows, lag):
+def test_a_seeds_realization_is_the_proofs_terms(follows, lag, wave):
     """``_realize``, recomputed from the proof's statements on the seed's durations: the
     rollouts ``0 .. (n + L + 1) * b - 1``; each batch's longest and the last rollout of the
     batch that long (durations capped at the timeout tie); step ``j``'s work lower bound, the
@@ -193,7 +194,8 @@ def test_a_seeds_realization_is_the_proofs_terms(follows, lag):
     from tasks.sched.waterlevel import dp_step_seconds
     from tasks.sched.workload import Durations
 
-    w = dataclasses.replace(WAVY, timeout_s=150.0, train_follows_length=follows)
+    # calm: batch 0 is not the shortest, so the capacity floor's choice of rollouts shows
+    w = dataclasses.replace(WAVY, timeout_s=150.0, train_follows_length=follows, burst_factor=wave)
     n, b = w.steps, w.batch
     for seed in (0, 1):
         r = _realize(w, lag, seed)
@@ -222,3 +224,31 @@ def test_a_seeds_realization_is_the_proofs_terms(follows, lag):
             floor = ((sum(d[:sure]) + extra) / w.cap + sum(works)) / w.cells
             assert r.floor[j] == pytest.approx(floor, rel=1e-12), j
             works.append(work)
+
+
+def test_greedy_finish_is_textbook_list_scheduling_with_batch_releases():
+    """``_greedy_finish`` (fact 5's lower bounds): rollouts in index order, each on the first
+    free of ``slots`` slots (all free at 0), no earlier than the one before it nor its
+    batch's release (none past the releases given); the finish times."""
+    import numpy as np
+
+    from tasks.sched.bound import _greedy_finish
+
+    def textbook(d, b, slots, release):
+        free, start, out = [0.0] * slots, 0.0, []
+        for i, di in enumerate(d):
+            k = i // b
+            j = min(range(slots), key=lambda s: free[s])
+            start = max(start, release[k] if k < len(release) else 0.0, free[j])
+            free[j] = start + di
+            out.append(start + di)
+        return out
+
+    assert list(_greedy_finish(np.array([2.0, 3.0]), 1, 2, [])) == [2.0, 3.0]
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        b, slots = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        d = rng.uniform(0.1, 5.0, size=int(rng.integers(1, 20)))
+        release = sorted(rng.uniform(0, 6, size=int(rng.integers(0, 5))).tolist())
+        got = _greedy_finish(d, b, slots, release)
+        assert got.tolist() == pytest.approx(textbook(d.tolist(), b, slots, release), abs=1e-12)

@@ -548,6 +548,12 @@ EQUIVALENT: dict[str, str] = {
     },
     "tasks.sched.bound.x__batch_stats__mutmut_13": "max(2, _POINTS - 1) for max(1, ...):"
     " _POINTS is 16, so both are 15",
+    "tasks.sched.bound.xǁ_SlotWaitǁ__call____mutmut_1": "the delta default 1.0 for 0.0: it"
+    " is read only with back == 2, and every such call passes its delta",
+    "tasks.sched.bound.xǁ_SlotWaitǁ__call____mutmut_4": "the grid step taken for back == 1 too:"
+    " those calls pass no delta (0), so k is 0 either way",
+    "tasks.sched.bound.xǁ_SlotWaitǁ__call____mutmut_6": "int(delta / unit) for"
+    " int(delta // unit): delta = E_{v-1} - E_{v-2} >= 0, where truncation is the floor",
     "tasks.sched.bound.x_estimate__mutmut_47": "`elif j >= L` for `elif j > L`: j == L is"
     " taken by the `if` before it",
     "tasks.sched.bound.x__programme__mutmut_61": "the window loop from 0 for from p: an"

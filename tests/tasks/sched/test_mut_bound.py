@@ -252,3 +252,39 @@ def test_greedy_finish_is_textbook_list_scheduling_with_batch_releases():
         release = sorted(rng.uniform(0, 6, size=int(rng.integers(0, 5))).tolist())
         got = _greedy_finish(d, b, slots, release)
         assert got.tolist() == pytest.approx(textbook(d.tolist(), b, slots, release), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "wave, median, timeout",
+    [(8.0, 100.0, 150.0), (1.0, 100.0, 150.0), (1.0, 10.0, 40.0)],
+    ids=["wave", "calm", "short"],  # short: the longest under 64 s, a grid under 2 s
+)
+def test_the_slot_wait_is_the_greedy_start_with_its_delta_rounded_down_to_the_grid(
+    wave, median, timeout
+):
+    """``_SlotWait`` (fact 5 for a batch's longest rollout ``a_beta``): one release back, the
+    greedy start of ``a_beta`` from ``a_{beta-1}`` with every slot free; two back, from
+    ``a_{beta-2}`` with ``[a_{beta-1}, a_beta]`` released ``delta`` later, ``delta`` rounded
+    down to a grid of ``max(1 s, the longest M / 32)`` (so never more than the exact wait,
+    and the same for every ``delta`` in one grid cell). The start is recomputed here by
+    textbook list scheduling (``_greedy_start`` above)."""
+    import math
+
+    from tasks.sched.bound import _realize, _SlotWait
+
+    w = dataclasses.replace(
+        WAVY, median_s=median, timeout_s=timeout, burst_factor=wave, cells=2, cap=1
+    )
+    r = _realize(w, 1, 0)
+    slots = w.cells * w.cap
+    unit = max(1.0, max(r.longest) / 32)
+    assert unit < 2.0 or median == 100.0
+    gap = _SlotWait(r, slots)
+    d = r.d.tolist()
+    a = r.argmax
+    for beta in range(2, w.steps):
+        assert gap(beta, 1) == _greedy_start(d, a[beta - 1], a[beta - 1], a[beta], 0.0, slots)
+        for delta in (0.0, 0.5 * unit, 3.7 * unit, 40.2 * unit):
+            down = math.floor(delta / unit) * unit
+            want = _greedy_start(d, a[beta - 2], a[beta - 1], a[beta], down, slots)
+            assert gap(beta, 2, delta) == pytest.approx(want, abs=1e-9), (beta, delta)

@@ -288,3 +288,32 @@ def test_the_slot_wait_is_the_greedy_start_with_its_delta_rounded_down_to_the_gr
             down = math.floor(delta / unit) * unit
             want = _greedy_start(d, a[beta - 2], a[beta - 1], a[beta], down, slots)
             assert gap(beta, 2, delta) == pytest.approx(want, abs=1e-9), (beta, delta)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("follows", [True, False])
+@pytest.mark.parametrize("wave", [8.0, 1.0], ids=["wave", "calm"])
+def test_the_proven_bound_is_exact_where_the_class_has_one_schedule(follows, wave, batch):
+    """Lag 0 and a batch no larger than the slots (2 cells of 1): batch ``j`` must be trained
+    by step ``j`` and start after step ``j - 1`` ends, each rollout on a slot of its own, so
+    every run of the class is batch 0, step 0, batch 1, step 1, ...; the least end is the sum
+    of each batch's longest duration and the fastest step on its work, and the proven bound
+    must be exactly that run (not a looser figure). (With more rollouts than slots the
+    proof's relaxations make it lower than the best run, as it may be.)"""
+    from tasks.sched.bound import _realize, upper_bound
+    from tasks.sched.waterlevel import dp_step_seconds
+    from tasks.sched.workload import Durations
+
+    w = dataclasses.replace(
+        WAVY, cells=2, cap=1, batch=batch, steps=6, train_follows_length=follows, burst_factor=wave
+    )
+    for seed in (0, 3):
+        dur = [Durations(w, seed)[i] for i in range(w.steps * batch)]
+        r = _realize(w, 0, seed)
+        steps = [
+            min(dp_step_seconds(batch, c, x / batch, w.dp_sync_s) for c in (1, 2)) for x in r.work
+        ]
+        run = sum(max(dur[j * batch : (j + 1) * batch]) + steps[j] for j in range(w.steps))
+        got = upper_bound(w, 0, seeds=(seed,))
+        assert got.run_s == pytest.approx(run, rel=1e-12)
+        assert got.per_seed == pytest.approx((w.steps * batch / run * 3600,), rel=1e-12)

@@ -317,3 +317,39 @@ def test_the_proven_bound_is_exact_where_the_class_has_one_schedule(follows, wav
         got = upper_bound(w, 0, seeds=(seed,))
         assert got.run_s == pytest.approx(run, rel=1e-12)
         assert got.per_seed == pytest.approx((w.steps * batch / run * 3600,), rel=1e-12)
+
+
+@pytest.mark.parametrize("wave", [8.0, 1.0], ids=["wave", "calm"])
+@pytest.mark.parametrize("lag", [4, 6])
+def test_where_only_slots_bind_the_proven_bound_is_fact_5s(wave, lag):
+    """A lag past the run's steps and next to no training: only the slots bind (fact 5). The
+    rollouts start in index order on the ``cells * cap`` slots, greedily (textbook list
+    scheduling, computed here), the last step cannot start before ``steps * batch`` of them
+    have finished and takes its fastest time: the bound is exactly that."""
+    import heapq
+
+    from tasks.sched.bound import _realize, upper_bound
+
+    w = dataclasses.replace(
+        WAVY,
+        cells=2,
+        cap=1,
+        batch=2,
+        steps=4,
+        burst_factor=wave,
+        train_s_per_sample=1e-3,
+        dp_sync_s=0.0,
+        train_follows_length=False,
+    )
+    for seed in (0, 1):
+        r = _realize(w, lag, seed)
+        free, start, finish = [0.0, 0.0], 0.0, []
+        for x in r.d.tolist():
+            start = max(start, free[0])
+            heapq.heapreplace(free, start + x)
+            finish.append(start + x)
+        last = sorted(finish)[w.steps * w.batch - 1]
+        # the last step's fastest time: r.steps, checked against every member count above
+        assert upper_bound(w, lag, seeds=(seed,)).run_s == pytest.approx(
+            last + r.steps[-1], rel=1e-12
+        )

@@ -353,3 +353,36 @@ def test_where_only_slots_bind_the_proven_bound_is_fact_5s(wave, lag):
         assert upper_bound(w, lag, seeds=(seed,)).run_s == pytest.approx(
             last + r.steps[-1], rel=1e-12
         )
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_where_only_the_steps_bind_the_proven_bound_is_back_to_back_steps(lag):
+    """Rollouts of about a second and steps of 110 s (fact 1: one step at a time): the first
+    step starts once the first batch's rollouts have finished (textbook list scheduling on
+    the slots, computed here) and every step runs back to back after it."""
+    import heapq
+
+    from tasks.sched.bound import _realize, upper_bound
+
+    w = dataclasses.replace(
+        WAVY,
+        cells=2,
+        cap=1,
+        batch=2,
+        steps=4,
+        median_s=1.0,
+        timeout_s=20.0,
+        train_s_per_sample=100.0,
+        dp_sync_s=5.0,
+        train_follows_length=False,
+    )
+    for seed in (0, 1):
+        r = _realize(w, lag, seed)
+        assert r.steps == [110.0] * w.steps  # both cells: 2 x 100 / 2 + 2 x 5 s of sync
+        free, start, finish = [0.0, 0.0], 0.0, []
+        for x in r.d[: w.batch].tolist():
+            start = max(start, free[0])
+            heapq.heapreplace(free, start + x)
+            finish.append(start + x)
+        want = max(finish) + w.steps * 110.0
+        assert upper_bound(w, lag, seeds=(seed,)).run_s == pytest.approx(want, rel=1e-12)

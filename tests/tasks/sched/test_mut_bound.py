@@ -226,6 +226,20 @@ def test_a_seeds_realization_is_the_proofs_terms(follows, lag, wave):
             works.append(work)
 
 
+def _list_finishes(d, slots: int, b: int = 1, release=()) -> list[float]:
+    """Textbook list scheduling: rollouts in index order, each on the first free of ``slots``
+    slots (all free at 0), no earlier than the one before it nor its batch's (``i // b``)
+    release (0 past the releases given); their finish times."""
+    free, start, out = [0.0] * slots, 0.0, []
+    for i, di in enumerate(d):
+        k = i // b
+        j = min(range(slots), key=lambda s: free[s])
+        start = max(start, release[k] if k < len(release) else 0.0, free[j])
+        free[j] = start + di
+        out.append(start + di)
+    return out
+
+
 def test_greedy_finish_is_textbook_list_scheduling_with_batch_releases():
     """``_greedy_finish`` (fact 5's lower bounds): rollouts in index order, each on the first
     free of ``slots`` slots (all free at 0), no earlier than the one before it nor its
@@ -234,16 +248,6 @@ def test_greedy_finish_is_textbook_list_scheduling_with_batch_releases():
 
     from tasks.sched.bound import _greedy_finish
 
-    def textbook(d, b, slots, release):
-        free, start, out = [0.0] * slots, 0.0, []
-        for i, di in enumerate(d):
-            k = i // b
-            j = min(range(slots), key=lambda s: free[s])
-            start = max(start, release[k] if k < len(release) else 0.0, free[j])
-            free[j] = start + di
-            out.append(start + di)
-        return out
-
     assert list(_greedy_finish(np.array([2.0, 3.0]), 1, 2, [])) == [2.0, 3.0]
     rng = np.random.default_rng(11)
     for _ in range(200):
@@ -251,7 +255,9 @@ def test_greedy_finish_is_textbook_list_scheduling_with_batch_releases():
         d = rng.uniform(0.1, 5.0, size=int(rng.integers(1, 20)))
         release = sorted(rng.uniform(0, 6, size=int(rng.integers(0, 5))).tolist())
         got = _greedy_finish(d, b, slots, release)
-        assert got.tolist() == pytest.approx(textbook(d.tolist(), b, slots, release), abs=1e-12)
+        assert got.tolist() == pytest.approx(
+            _list_finishes(d.tolist(), slots, b, release), abs=1e-12
+        )
 
 
 @pytest.mark.parametrize(
@@ -326,8 +332,6 @@ def test_where_only_slots_bind_the_proven_bound_is_fact_5s(wave, lag):
     rollouts start in index order on the ``cells * cap`` slots, greedily (textbook list
     scheduling, computed here), the last step cannot start before ``steps * batch`` of them
     have finished and takes its fastest time: the bound is exactly that."""
-    import heapq
-
     from tasks.sched.bound import _realize, upper_bound
 
     w = dataclasses.replace(
@@ -343,12 +347,7 @@ def test_where_only_slots_bind_the_proven_bound_is_fact_5s(wave, lag):
     )
     for seed in (0, 1):
         r = _realize(w, lag, seed)
-        free, start, finish = [0.0, 0.0], 0.0, []
-        for x in r.d.tolist():
-            start = max(start, free[0])
-            heapq.heapreplace(free, start + x)
-            finish.append(start + x)
-        last = sorted(finish)[w.steps * w.batch - 1]
+        last = sorted(_list_finishes(r.d.tolist(), w.cells * w.cap))[w.steps * w.batch - 1]
         # the last step's fastest time: r.steps, checked against every member count above
         assert upper_bound(w, lag, seeds=(seed,)).run_s == pytest.approx(
             last + r.steps[-1], rel=1e-12
@@ -360,8 +359,6 @@ def test_where_only_the_steps_bind_the_proven_bound_is_back_to_back_steps(lag):
     """Rollouts of about a second and steps of 110 s (fact 1: one step at a time): the first
     step starts once the first batch's rollouts have finished (textbook list scheduling on
     the slots, computed here) and every step runs back to back after it."""
-    import heapq
-
     from tasks.sched.bound import _realize, upper_bound
 
     w = dataclasses.replace(
@@ -379,10 +376,6 @@ def test_where_only_the_steps_bind_the_proven_bound_is_back_to_back_steps(lag):
     for seed in (0, 1):
         r = _realize(w, lag, seed)
         assert r.steps == [110.0] * w.steps  # both cells: 2 x 100 / 2 + 2 x 5 s of sync
-        free, start, finish = [0.0, 0.0], 0.0, []
-        for x in r.d[: w.batch].tolist():
-            start = max(start, free[0])
-            heapq.heapreplace(free, start + x)
-            finish.append(start + x)
-        want = max(finish) + w.steps * 110.0
+        first = _list_finishes(r.d[: w.batch].tolist(), w.cells * w.cap)
+        want = max(first) + w.steps * 110.0
         assert upper_bound(w, lag, seeds=(seed,)).run_s == pytest.approx(want, rel=1e-12)
